@@ -1,0 +1,1 @@
+"""The drafter service: the DFlash drafter and its context KV cache per session."""

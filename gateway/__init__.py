@@ -1,0 +1,1 @@
+"""The gateway: OpenAI-compatible HTTP API running the speculative loop over the services."""

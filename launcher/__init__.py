@@ -1,0 +1,1 @@
+"""The `dflash-serve` command: starts services and tools; depends on them, nothing depends on it."""
