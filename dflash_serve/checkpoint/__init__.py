@@ -1,0 +1,1 @@
+"""Reading checkpoints from disk: safetensors (single or sharded), 4-bit formats, hub ids."""

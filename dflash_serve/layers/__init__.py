@@ -1,0 +1,1 @@
+"""Model building blocks shared by the target and the drafter, one op family per module."""

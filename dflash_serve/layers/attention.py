@@ -1,0 +1,60 @@
+"""Scaled dot-product attention over cached keys, with grouped query heads.
+
+Two paths share one contract (softmax(q·kᵀ·scale)·v per query over the keys it may see):
+- `attend_each_query` computes every query over exactly its own visible key range, so a
+  token's result is identical whether it arrives alone or in a 16-token block (the property
+  lossless speculative decoding needs on the verify/decode path);
+- `attend_masked` computes many queries at once with a boolean mask (prefill, drafting),
+  where only closeness, not bit-equality with another shape, matters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[..., H, D] -> [..., Hkv, H/Hkv, D]: query heads h*G..h*G+G-1 share kv head h."""
+    *lead, num_heads, dim = q.shape
+    return q.reshape(*lead, num_kv_heads, num_heads // num_kv_heads, dim)
+
+
+def attend_each_query(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_ranges: list[tuple[int, int]],
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D]; keys/values [L, Hkv, D]; query t sees keys[lo:hi] for (lo, hi) = key_ranges[t].
+
+    Returns [T, H, D] in q's dtype; softmax in fp32.
+    """
+    num_kv_heads = keys.shape[1]
+    outputs = []
+    for t, (lo, hi) in enumerate(key_ranges):
+        q_t = _grouped(q[t], num_kv_heads).float()  # [Hkv, G, D]
+        k_t = keys[lo:hi].transpose(0, 1).float()  # [Hkv, n, D]
+        v_t = values[lo:hi].transpose(0, 1).float()
+        scores = torch.matmul(q_t, k_t.transpose(1, 2)) * scale  # [Hkv, G, n]
+        probs = torch.softmax(scores, dim=-1)
+        outputs.append(torch.matmul(probs, v_t).reshape(q.shape[1], q.shape[2]))
+    return torch.stack(outputs).to(q.dtype)
+
+
+def attend_masked(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D]; keys/values [L, Hkv, D]; visible bool [T, L]. Returns [T, H, D]."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k, v, attn_mask=visible.unsqueeze(0), scale=scale
+    )
+    return out.transpose(0, 1)

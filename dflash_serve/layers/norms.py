@@ -1,0 +1,49 @@
+"""RMSNorm variants of the Qwen3.5 family, computed in fp32.
+
+Qwen3.5's block norms are zero-centred (`x̂ · (1 + w)`); the DFlash drafter and the gated
+norm inside GDN layers use the weight as is (`x̂ · w`). Keeping the offset an explicit
+constructor argument makes the checkpoint mapping a plain name copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_serve.layers.activations import silu
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x · rsqrt(mean(x²) + eps) in fp32; returns fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; `zero_centred` selects `1 + w` (Qwen3.5) or `w` (Qwen3)."""
+
+    def __init__(self, dim: int, eps: float, zero_centred: bool) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centred = zero_centred
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight.float()
+        if self.zero_centred:
+            scale = 1.0 + scale
+        return (rms_normalize(x, self.eps) * scale).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm(o) · w ⊙ silu(z), the output norm of a Gated DeltaNet layer."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = rms_normalize(x, self.eps).to(x.dtype)
+        out = self.weight * normed
+        return (out.float() * silu(gate.float())).to(x.dtype)
