@@ -1,0 +1,36 @@
+"""Depthwise causal conv1d over new tokens, continuing from a conv state.
+
+The conv state of a sequence is its last `kernel − 1` pre-conv inputs. The result for each
+token is a fixed-order sum of `kernel` products, so it does not depend on how many tokens
+are convolved together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_conv_with_state(
+    inputs: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """inputs [B, T, C] (pre-conv), conv_state [B, C, k−1], weight [C, k].
+
+    Returns (outputs [B, T, C] before activation, new conv state [B, C, k−1]).
+    """
+    kernel = weight.shape[1]
+    window = torch.cat((conv_state.transpose(1, 2).to(inputs.dtype), inputs), dim=1)
+    num_tokens = inputs.shape[1]
+    out = window[:, 0:num_tokens] * weight[:, 0]
+    for j in range(1, kernel):
+        out = out + window[:, j : j + num_tokens] * weight[:, j]
+    new_state = window[:, num_tokens:].transpose(1, 2)
+    return out, new_state
+
+
+def conv_state_after(
+    conv_state: torch.Tensor, inputs: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Conv state [C, k−1] after the first `num_tokens` of inputs [T, C] were committed."""
+    history = conv_state.shape[1]
+    window = torch.cat((conv_state.transpose(0, 1).to(inputs.dtype), inputs[:num_tokens]))
+    return window[window.shape[0] - history :].transpose(0, 1)

@@ -1,0 +1,88 @@
+"""The Qwen3.5 text model: embeddings, hybrid decoder layers, final norm, (tied) head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_serve.layers.linear import row_stable_linear
+from dflash_serve.layers.mlp import SwiGLU
+from dflash_serve.layers.norms import RMSNorm
+from dflash_serve.layers.rotary import RotaryEmbedding
+from dflash_serve.qwen35_config import FULL_ATTENTION, Qwen35TextConfig
+from target_service.model.forward_batch import ForwardBatch
+from target_service.model.gated_attention import GatedAttention
+from target_service.model.gated_deltanet import GatedDeltaNet
+from target_service.model.state import TargetState
+
+
+class DecoderLayer(nn.Module):
+    """h += mixer(input_norm(h)); h += mlp(post_norm(h)); the mixer is attention or GDN."""
+
+    def __init__(self, config: Qwen35TextConfig, layer_id: int) -> None:
+        super().__init__()
+        self.is_attention = config.layer_types[layer_id] == FULL_ATTENTION
+        if self.is_attention:
+            attn_index = config.attention_layer_ids.index(layer_id)
+            self.self_attn = GatedAttention(config, attn_index)
+        else:
+            self.linear_attn = GatedDeltaNet(config, config.gdn_layer_ids.index(layer_id))
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centred=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centred=True)
+
+    def forward(self, h, batch: ForwardBatch, state: TargetState, cos_sin) -> torch.Tensor:
+        normed = self.input_layernorm(h)
+        if self.is_attention:
+            h = h + self.self_attn(normed, batch, state, cos_sin)
+        else:
+            h = h + self.linear_attn(normed, batch, state)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen35TextModel(nn.Module):
+    """Our forward over new tokens of several sequences; state lives in a TargetState."""
+
+    def __init__(self, config: Qwen35TextConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
+        self.lm_head: nn.Module | None = None  # set by the loader when not tied
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: `lm_head.weight`, or the embeddings when they are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        batch: ForwardBatch,
+        state: TargetState,
+        tap_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """token_ids [B, T] → (final-normed hidden [B, T, hidden], taps [B, T, n·hidden] or None).
+
+        Taps are the outputs of the listed decoder layers (transformers' hidden_states[i+1]),
+        concatenated in the listed order.
+        """
+        h = self.embed_tokens(token_ids)
+        cos_sin = self.rotary.cos_sin(batch.positions(token_ids.device))
+        taps = {}
+        for layer_id, layer in enumerate(self.layers):
+            h = layer(h, batch, state, cos_sin)
+            if layer_id in tap_layer_ids:
+                taps[layer_id] = h
+        tapped = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
+        return self.norm(h), tapped
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., hidden] → fp32 logits [..., vocab]."""
+        return row_stable_linear(hidden, self.head_weight).float()

@@ -1,0 +1,72 @@
+"""Full (softmax) attention layer of Qwen3.5: gated output, q/k norms, partial RoPE, GQA.
+
+Attribute names match the checkpoint (`layers.N.self_attn.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_serve.layers.activations import sigmoid
+from dflash_serve.layers.attention import attend_each_query, attend_masked
+from dflash_serve.layers.linear import Linear
+from dflash_serve.layers.norms import RMSNorm
+from dflash_serve.layers.rotary import apply_rotary
+from dflash_serve.qwen35_config import Qwen35TextConfig
+from target_service.model.forward_batch import ForwardBatch
+from target_service.model.state import TargetState
+
+
+class GatedAttention(nn.Module):
+    """q_proj yields a query and a sigmoid gate per head; output = o_proj(attn · σ(gate))."""
+
+    def __init__(self, config: Qwen35TextConfig, attn_index: int) -> None:
+        super().__init__()
+        self.attn_index = attn_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim * 2)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centred=True)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centred=True)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        state: TargetState,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        num_seqs, num_tokens, _ = x.shape
+        per_head = self.q_proj(x).reshape(num_seqs, num_tokens, self.num_heads, 2 * self.head_dim)
+        q, gate = per_head.chunk(2, dim=-1)
+        kv_shape = (num_seqs, num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(self.q_norm(q), *cos_sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).reshape(kv_shape)), *cos_sin)
+        v = self.v_proj(x).reshape(kv_shape)
+        outputs = []
+        for b, (slot, start) in enumerate(zip(batch.slots, batch.start_positions, strict=True)):
+            end = start + num_tokens
+            keys = state.key_cache[self.attn_index, slot]
+            values = state.value_cache[self.attn_index, slot]
+            keys[start:end] = k[b]
+            values[start:end] = v[b]
+            outputs.append(self._attend(q[b], keys[:end], values[:end], start, batch.is_verify))
+        attn = torch.stack(outputs).reshape(num_seqs, num_tokens, -1)
+        return self.o_proj(attn * sigmoid(gate.reshape(num_seqs, num_tokens, -1)))
+
+    def _attend(self, q, keys, values, start: int, is_verify: bool) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        if is_verify:
+            ranges = [(0, start + t + 1) for t in range(num_tokens)]
+            return attend_each_query(q, keys, values, ranges, self.scale)
+        key_pos = torch.arange(start + num_tokens, device=q.device)
+        query_pos = torch.arange(start, start + num_tokens, device=q.device)
+        visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        return attend_masked(q, keys, values, visible, self.scale)

@@ -1,0 +1,17 @@
+"""Shared fixtures: tiny checkpoints written once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_checkpoints import write_causal_lm, write_conditional_generation
+
+
+@pytest.fixture(scope="session")
+def causal_lm_dir(tmp_path_factory):
+    return write_causal_lm(tmp_path_factory.mktemp("causal_lm"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def conditional_generation_dir(tmp_path_factory):
+    return write_conditional_generation(tmp_path_factory.mktemp("conditional_generation"), seed=2)

@@ -1,0 +1,173 @@
+"""verify + commit(n) must leave exactly the state that feeding the n tokens directly leaves.
+
+Compared bit for bit (torch.equal) in fp32 on the CPU: any rejected-draft residue in the KV
+cache, the conv state or the recurrent state changes later logits.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from target_service.engine import TargetEngine
+from target_service.model.loader import load_target_model
+from target_service.model.state import StateShape, TargetState
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+
+
+@pytest.fixture(scope="module")
+def model(causal_lm_dir):
+    return load_target_model(causal_lm_dir)
+
+
+def new_engine(model, max_slots=4):
+    return TargetEngine(model, StateShape(max_slots=max_slots, max_len=512), tap_layer_ids=(2,))
+
+
+def decode(engine, slot, tokens):
+    """Feed tokens one at a time (plain decoding); return the logits after each."""
+    out = []
+    for token in tokens:
+        out.append(engine.verify([slot], [[token]]).logits[0, 0])
+        engine.commit(slot, 1)
+    return torch.stack(out)
+
+
+def random_tokens(rng, n, vocab):
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_kept", range(1, 17))
+def test_commit_prefix_equals_direct_feeding(model, num_kept):
+    rng = random.Random(num_kept)
+    vocab = model.config.vocab_size
+    block = random_tokens(rng, 16, vocab)
+    continuation = random_tokens(rng, 6, vocab)
+
+    speculative = new_engine(model)
+    slot = speculative.open_sequence()
+    speculative.prefill(slot, PROMPT)
+    block_logits = speculative.verify([slot], [block]).logits[0]
+    speculative.commit(slot, num_kept)
+    after_commit = decode(speculative, slot, continuation)
+
+    direct_block = new_engine(model)
+    slot_b = direct_block.open_sequence()
+    direct_block.prefill(slot_b, PROMPT)
+    prefix_logits = direct_block.verify([slot_b], [block[:num_kept]]).logits[0]
+    direct_block.commit(slot_b, num_kept)
+    assert torch.equal(block_logits[:num_kept], prefix_logits)
+    assert torch.equal(after_commit, decode(direct_block, slot_b, continuation))
+
+    one_by_one = new_engine(model)
+    slot_c = one_by_one.open_sequence()
+    one_by_one.prefill(slot_c, PROMPT)
+    assert torch.equal(block_logits[:num_kept], decode(one_by_one, slot_c, block[:num_kept]))
+    assert torch.equal(after_commit, decode(one_by_one, slot_c, continuation))
+    for name in ("recurrent_state", "conv_state"):
+        assert torch.equal(
+            getattr(speculative.state, name)[:, slot], getattr(one_by_one.state, name)[:, slot_c]
+        ), name
+
+
+def test_hundred_rejections_never_drift(model):
+    rng = random.Random(7)
+    vocab = model.config.vocab_size
+    speculative, plain = new_engine(model), new_engine(model)
+    slot_s, slot_p = speculative.open_sequence(), plain.open_sequence()
+    speculative.prefill(slot_s, PROMPT)
+    plain.prefill(slot_p, PROMPT)
+    for _ in range(100):
+        block = random_tokens(rng, 16, vocab)
+        logits_s = speculative.verify([slot_s], [block]).logits[0, 0]
+        speculative.commit(slot_s, 1)
+        assert torch.equal(logits_s, decode(plain, slot_p, block[:1])[0])
+    assert torch.equal(
+        speculative.state.recurrent_state[:, slot_s], plain.state.recurrent_state[:, slot_p]
+    )
+
+
+def test_batch_with_different_commits_stays_exact(model):
+    rng = random.Random(11)
+    vocab = model.config.vocab_size
+    prompts = [PROMPT, PROMPT[:4], random_tokens(rng, 23, vocab)]
+    kept = [[3, 16, 1], [1, 7, 16], [9, 2, 5]]  # per round, per sequence
+    batched = new_engine(model)
+    slots = [batched.open_sequence() for _ in prompts]
+    solo = [new_engine(model) for _ in prompts]
+    solo_slots = [e.open_sequence() for e in solo]
+    for slot, engine, solo_slot, prompt in zip(slots, solo, solo_slots, prompts, strict=True):
+        batched.prefill(slot, prompt)
+        engine.prefill(solo_slot, prompt)
+    for round_kept in kept:
+        blocks = [random_tokens(rng, 16, vocab) for _ in prompts]
+        logits = batched.verify(slots, blocks).logits
+        for i, n in enumerate(round_kept):
+            batched.commit(slots[i], n)
+            alone = decode(solo[i], solo_slots[i], blocks[i][:n])
+            assert torch.equal(logits[i, :n], alone), (i, n)
+    probe = [random_tokens(rng, 1, vocab) for _ in prompts]
+    final = batched.verify(slots, probe).logits[:, 0]
+    for i, engine in enumerate(solo):
+        assert torch.equal(final[i], engine.verify([solo_slots[i]], [probe[i]]).logits[0, 0])
+
+
+QWEN35_4B_TEXT = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 2560,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
+}
+
+
+def per_slot_bytes(state):
+    """Bytes of every state tensor that belongs to one slot, by attribute name."""
+    return {
+        name: value[:, 0].nbytes
+        for name, value in vars(state).items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def test_state_holds_at_most_two_recurrent_states_per_sequence():
+    from dflash_serve.qwen35_config import Qwen35TextConfig
+
+    config = Qwen35TextConfig.from_dict(QWEN35_4B_TEXT)
+    state = TargetState(config, StateShape(max_slots=2, max_len=8192), torch.bfloat16, "meta")
+    sizes = per_slot_bytes(state)
+    one_recurrent = 24 * 32 * 128 * 128 * 4  # 24 GDN layers, fp32: 48 MiB
+    kv_per_token = 8 * 2 * 4 * 256 * 2  # 8 attention layers, K and V, bf16: 32 KiB
+    assert sizes["recurrent_state"] == one_recurrent
+    assert sizes["key_cache"] + sizes["value_cache"] == kv_per_token * 8192
+    everything_else = sum(sizes.values()) - sizes["key_cache"] - sizes["value_cache"]
+    # Two recurrent states (96 MiB) plus the conv state (1.2 MiB) and 16 tokens of block
+    # inputs for replay (~18 MiB); a per-draft-position scheme would need 16 recurrent
+    # states (768 MiB).
+    assert 2 * one_recurrent < everything_else < 2.5 * one_recurrent
+
+
+def test_commit_validates_its_arguments(model):
+    from dflash_serve.errors import InvalidRequestError
+
+    engine = new_engine(model)
+    slot = engine.open_sequence()
+    engine.prefill(slot, PROMPT)
+    with pytest.raises(InvalidRequestError, match="without a verified block"):
+        engine.commit(slot, 1)
+    engine.verify([slot], [[1, 2, 3]])
+    with pytest.raises(InvalidRequestError, match=r"num_kept must be in 1\.\.3"):
+        engine.commit(slot, 4)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.verify([slot], [[model.config.vocab_size]])
