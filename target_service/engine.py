@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_serve.errors import CapacityError, InvalidRequestError
+from dflash_serve.errors import InvalidRequestError
+from dflash_serve.slots import SlotAllocator
 from target_service.model.commit import commit_block
 from target_service.model.decoder import Qwen35TextModel
 from target_service.model.forward_batch import ForwardBatch
@@ -60,23 +61,16 @@ class TargetEngine:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.state = TargetState(config, shape, self.dtype, self.device)
-        self._free_slots = list(range(shape.max_slots - 1, -1, -1))
-
-    @property
-    def num_active(self) -> int:
-        return self.state.shape.max_slots - len(self._free_slots)
+        self.slots = SlotAllocator(shape.max_slots, "target")
 
     def open_sequence(self) -> int:
         """Reserve a slot with empty state; CapacityError when all are in use."""
-        if not self._free_slots:
-            raise CapacityError(f"all {self.state.shape.max_slots} sequence slots are in use")
-        slot = self._free_slots.pop()
+        slot = self.slots.acquire()
         self.state.reset_slot(slot)
         return slot
 
     def close_sequence(self, slot: int) -> None:
-        self._check_slot(slot)
-        self._free_slots.append(slot)
+        self.slots.release(slot)
 
     def length(self, slot: int) -> int:
         """Committed tokens of the sequence."""
@@ -112,16 +106,13 @@ class TargetEngine:
         if len(set(slots)) != len(slots):
             raise InvalidRequestError(f"verify got a slot twice: {slots}")
         num_tokens = len(block_ids[0])
-        limit = self.state.shape.max_block_tokens
         for slot, block in zip(slots, block_ids, strict=True):
-            self._check_slot(slot)
-            if len(block) != num_tokens or not 1 <= num_tokens <= limit:
+            if len(block) != num_tokens:
                 raise InvalidRequestError(
-                    f"block lengths must be equal and in 1..{limit}; got "
+                    f"blocks verified together must have equal lengths; got "
                     f"{[len(b) for b in block_ids]}"
                 )
-            self._check_ids(block, "block_ids")
-            self._check_room(slot, num_tokens)
+            self.check_block(slot, block)
         starts = tuple(self.state.lengths[s] for s in slots)
         batch = ForwardBatch(tuple(slots), starts, num_tokens, is_verify=True)
         ids = torch.tensor(block_ids, device=self.device)
@@ -129,6 +120,17 @@ class TargetEngine:
         for slot in slots:
             self.state.block_sizes[slot] = num_tokens
         return VerifyResult(self.model.logits(hidden), taps)
+
+    def check_block(self, slot: int, block_ids: list[int]) -> None:
+        """Raise InvalidRequestError unless `block_ids` can be verified on `slot` now."""
+        self._check_slot(slot)
+        limit = self.state.shape.max_block_tokens
+        if not 1 <= len(block_ids) <= limit:
+            raise InvalidRequestError(
+                f"a block holds 1..{limit} tokens (anchor + drafts); got {len(block_ids)}"
+            )
+        self._check_ids(block_ids, "block_ids")
+        self._check_room(slot, len(block_ids))
 
     @torch.inference_mode()
     def commit(self, slot: int, num_kept: int) -> None:
@@ -144,8 +146,7 @@ class TargetEngine:
         commit_block(self.state, slot, num_kept)
 
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.state.shape.max_slots or slot in self._free_slots:
-            raise InvalidRequestError(f"slot {slot} is not an open sequence")
+        self.slots.check_open(slot)
 
     def _check_ids(self, ids: list[int], what: str) -> None:
         vocab = self.config.vocab_size

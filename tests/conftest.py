@@ -15,3 +15,10 @@ def causal_lm_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def conditional_generation_dir(tmp_path_factory):
     return write_conditional_generation(tmp_path_factory.mktemp("conditional_generation"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def dflash_dir(tmp_path_factory):
+    from tests.tiny_checkpoints import write_dflash
+
+    return write_dflash(tmp_path_factory.mktemp("dflash"), seed=3)

@@ -100,3 +100,86 @@ def load_oracle(path: Path) -> torch.nn.Module:
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
     cls = Qwen3_5ForConditionalGeneration if "Conditional" in arch else Qwen3_5ForCausalLM
     return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def dflash_config_dict(
+    target_layer_ids=(0, 2, 4),
+    mask_token_id=TINY_VOCAB - 2,
+    layer_types=("sliding_attention", "full_attention"),
+    sliding_window=6,
+    hidden_size=48,
+    is_causal=None,
+) -> dict:
+    """A z-lab-style drafter config.json (Qwen3 fields plus a dflash_config block)."""
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden_size,
+        "intermediate_size": 72,
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "layer_types": list(layer_types),
+        "sliding_window": sliding_window,
+        "block_size": 16,
+        "vocab_size": TINY_VOCAB,
+        "dtype": "bfloat16",
+        "dflash_config": {
+            "target_layer_ids": list(target_layer_ids),
+            "mask_token_id": mask_token_id,
+        },
+    }
+    if is_causal is not None:
+        config["is_causal"] = is_causal
+    return config
+
+
+def dflash_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a DFlash drafter checkpoint."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv, dim = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
+    taps = len(config["dflash_config"]["target_layer_ids"])
+    shapes = {"fc.weight": (hidden, taps * hidden), "hidden_norm.weight": (hidden,)}
+    shapes["norm.weight"] = (hidden,)
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * dim, hidden),
+            p + "self_attn.k_proj.weight": (kv * dim, hidden),
+            p + "self_attn.v_proj.weight": (kv * dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * dim),
+            p + "self_attn.q_norm.weight": (dim,),
+            p + "self_attn.k_norm.weight": (dim,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+    return shapes
+
+
+def write_dflash(path: Path, seed: int = 0, **config_fields) -> Path:
+    """A random DFlash drafter in z-lab's on-disk format: bf16 safetensors + config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = dflash_config_dict(**config_fields)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in dflash_tensor_shapes(config).items():
+        noise = torch.randn(shape, generator=generator)
+        scaled = noise / shape[-1] ** 0.5 * 1.5 if len(shape) == 2 else 1.0 + 0.3 * noise
+        tensors[name] = scaled.to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

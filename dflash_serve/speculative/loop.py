@@ -1,0 +1,85 @@
+"""The speculative loop: prefill → (draft → verify → accept → commit)* until a stop.
+
+Each verify returns the target's own tokens for the block; a draft is accepted iff it
+equals the target's token at its position, so every emitted token is the target's token
+and the output is exactly target-only decoding. The loop walks the tokens of each step one
+by one so that the first stop (stop token, max_new_tokens, context limit) wins and nothing
+after it is emitted. A failing drafter only costs speed: the loop continues target-only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from dflash_serve.speculative.protocols import DrafterSession, TargetSession
+from dflash_serve.speculative.types import SpecStats
+
+logger = logging.getLogger(__name__)
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class StopRules:
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()  # EOS ids and the request's own stop ids
+
+
+@dataclass
+class SpeculativeGeneration:
+    """One request's run; iterate `tokens()` for the emitted ids as they are committed."""
+
+    target: TargetSession
+    drafter: DrafterSession | None
+    prompt_ids: list[int]
+    stops: StopRules
+    num_drafts: int
+    max_context_tokens: int
+    finish_reason: str | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    drafter_error: BaseException | None = None
+
+    async def tokens(self) -> AsyncIterator[int]:
+        if self.stops.max_new_tokens < 1:
+            self.finish_reason = FINISH_LENGTH
+            return
+        step = await self.target.prefill(self.prompt_ids)
+        num_emitted = 0
+        committed = len(self.prompt_ids)
+        while True:
+            for token in step.token_ids:
+                yield token
+                num_emitted += 1
+                if token in self.stops.stop_token_ids:
+                    self.finish_reason = FINISH_STOP
+                    return
+                if num_emitted >= self.stops.max_new_tokens:
+                    self.finish_reason = FINISH_LENGTH
+                    return
+            anchor = step.token_ids[-1]
+            room = self.max_context_tokens - committed - 1
+            if room < 0:
+                self.finish_reason = FINISH_LENGTH
+                return
+            budget = min(self.num_drafts, self.stops.max_new_tokens - num_emitted - 1, room)
+            drafts = await self._draft(step.features, anchor, budget)
+            step = await self.target.verify([anchor, *drafts])
+            self.stats.record(len(drafts), step.num_accepted)
+            committed += step.num_accepted + 1
+
+    async def _draft(self, features, anchor: int, num_drafts: int) -> list[int]:
+        """Drafts from the drafter, or none (a target-only step) without a working drafter."""
+        # With no budget this is the request's last step, so the drafter's context can stay
+        # behind.
+        if self.drafter is None or num_drafts < 1:
+            return []
+        try:
+            return await self.drafter.draft(features, anchor, num_drafts)
+        except Exception as error:  # any drafter failure degrades to target-only
+            logger.warning("drafter failed (%s); continuing target-only", error)
+            self.drafter_error = error
+            self.drafter = None
+            return []

@@ -1,0 +1,78 @@
+"""The drafter engine: context caches per slot, and batched greedy drafting.
+
+A draft is the argmax of the drafter's logits at each block position: acceptance is by
+equality with the target's token, so the most likely token is the best proposal whatever
+the target's sampling parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_serve.errors import InvalidRequestError
+from dflash_serve.slots import SlotAllocator
+from drafter_service.model.context_cache import DrafterContextCache
+from drafter_service.model.dflash import DFlashDrafter
+
+
+class DrafterEngine:
+    def __init__(self, model: DFlashDrafter, max_slots: int, max_len: int) -> None:
+        self.model = model
+        self.config = model.config
+        self.vocab_size = model.embed_weight.shape[0]
+        self.feature_dim = len(self.config.target_layer_ids) * self.config.hidden_size
+        self.device = model.embed_weight.device
+        dtype = model.fc.weight.dtype
+        self.cache = DrafterContextCache(self.config, max_slots, max_len, dtype, self.device)
+        self.slots = SlotAllocator(max_slots, "drafter")
+
+    def open_sequence(self) -> int:
+        slot = self.slots.acquire()
+        self.cache.lengths[slot] = 0
+        return slot
+
+    def close_sequence(self, slot: int) -> None:
+        self.slots.release(slot)
+
+    def context_length(self, slot: int) -> int:
+        return self.cache.lengths[slot]
+
+    @torch.inference_mode()
+    def add_context(self, slot: int, features: torch.Tensor) -> None:
+        """Append the tapped target features [n, taps·hidden] of n committed tokens."""
+        self._check_slot(slot)
+        if features.ndim != 2 or features.shape[1] != self.feature_dim:
+            raise InvalidRequestError(
+                f"features must be [tokens, {self.feature_dim}] "
+                f"({len(self.config.target_layer_ids)} taps × hidden {self.config.hidden_size}); "
+                f"got {list(features.shape)}"
+            )
+        if self.cache.lengths[slot] + features.shape[0] > self.cache.max_len:
+            raise InvalidRequestError(
+                f"slot {slot}: context would exceed max_len {self.cache.max_len}"
+            )
+        self.model.add_context(self.cache, slot, features.to(self.device))
+
+    @torch.inference_mode()
+    def draft(self, slots: list[int], anchor_ids: list[int], num_drafts: int) -> list[list[int]]:
+        """Propose `num_drafts` tokens after each anchor (one forward for all slots)."""
+        if not 1 <= num_drafts <= self.config.max_drafts:
+            raise InvalidRequestError(
+                f"num_drafts must be in 1..{self.config.max_drafts}, got {num_drafts}"
+            )
+        if len(slots) != len(anchor_ids) or not slots:
+            raise InvalidRequestError("draft needs one anchor per slot")
+        for slot, anchor in zip(slots, anchor_ids, strict=True):
+            self._check_slot(slot)
+            if not 0 <= anchor < self.vocab_size:
+                raise InvalidRequestError(f"anchor id {anchor} outside the vocabulary")
+            if self.cache.lengths[slot] + num_drafts + 1 > self.cache.max_len:
+                raise InvalidRequestError(f"slot {slot}: block would exceed max_len")
+        mask = self.config.mask_token_id
+        block = [[anchor] + [mask] * num_drafts for anchor in anchor_ids]
+        ids = torch.tensor(block, device=self.device)
+        logits = self.model.draft_logits(self.cache, slots, ids)
+        return logits.argmax(dim=-1).tolist()
+
+    def _check_slot(self, slot: int) -> None:
+        self.slots.check_open(slot)

@@ -1,0 +1,1 @@
+"""Our PyTorch implementation of the DFlash block drafter."""

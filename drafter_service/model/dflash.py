@@ -1,0 +1,136 @@
+"""The DFlash drafter: one forward over [anchor, MASK×K] proposes K tokens.
+
+Context: the target's tapped hidden states of committed tokens → fc → hidden_norm, turned
+into extra keys/values by every layer's own k_proj/v_proj/k_norm and RoPE at their absolute
+positions. Queries come only from the block, whose input is the target's embedding of the
+block tokens. Attribute names match z-lab checkpoints (`fc`, `hidden_norm`, `layers.i.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_serve.layers.attention import attend_masked
+from dflash_serve.layers.linear import Linear, row_stable_linear
+from dflash_serve.layers.mlp import SwiGLU
+from dflash_serve.layers.norms import RMSNorm
+from dflash_serve.layers.rotary import RotaryEmbedding, apply_rotary
+from drafter_service.model.config import DFlashConfig
+from drafter_service.model.context_cache import DrafterContextCache
+
+
+class DrafterAttention(nn.Module):
+    """Qwen3-style attention (plain RMSNorm q/k norms, full RoPE) over context + block."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden)
+        self.q_norm = RMSNorm(self.head_dim, eps, zero_centred=False)
+        self.k_norm = RMSNorm(self.head_dim, eps, zero_centred=False)
+
+    def keys_values(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., T, hidden] → rotated keys and values [..., T, kv_heads, head_dim]."""
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        keys = apply_rotary(self.k_norm(self.k_proj(x).reshape(shape)), *cos_sin)
+        return keys, self.v_proj(x).reshape(shape)
+
+    def queries(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
+        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
+        return apply_rotary(self.q_norm(self.q_proj(x).reshape(shape)), *cos_sin)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(config)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centred=False)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centred=False)
+
+
+class DFlashDrafter(nn.Module):
+    """Weights of the drafter plus the borrowed target embedding and head."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = Linear(len(config.target_layer_ids) * hidden, hidden)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps, zero_centred=False)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, zero_centred=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.embed_weight: torch.Tensor | None = None  # [vocab, hidden], from the target
+        self.head_weight: torch.Tensor | None = None
+
+    def add_context(self, cache: DrafterContextCache, slot: int, features: torch.Tensor) -> None:
+        """Append committed tokens' tapped target features [n, taps·hidden] to a slot."""
+        start = cache.lengths[slot]
+        end = start + features.shape[0]
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        positions = torch.arange(start, end, device=features.device)
+        cos_sin = self.rotary.cos_sin(positions)
+        for layer_id, layer in enumerate(self.layers):
+            keys, values = layer.self_attn.keys_values(context, cos_sin)
+            cache.keys[layer_id, slot, start:end] = keys
+            cache.values[layer_id, slot, start:end] = values
+        cache.lengths[slot] = end
+
+    def draft_logits(
+        self, cache: DrafterContextCache, slots: list[int], block_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """block_ids [B, T] = [anchor, MASK…] at positions starting at each slot's context
+        length → fp32 logits [B, T−1, vocab] for block positions 1..T−1."""
+        num_tokens = block_ids.shape[1]
+        starts = torch.tensor([cache.lengths[s] for s in slots], device=block_ids.device)
+        positions = starts.unsqueeze(1) + torch.arange(num_tokens, device=block_ids.device)
+        cos_sin = self.rotary.cos_sin(positions)
+        scale = self.config.input_embedding_scale
+        h = nn.functional.embedding(block_ids, self.embed_weight) * scale
+        for layer_id, layer in enumerate(self.layers):
+            h = h + self._attend(layer_id, layer, layer.input_layernorm(h), cache, slots, cos_sin)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = row_stable_linear(self.norm(h[:, 1:]), self.head_weight).float()
+        logits = logits * self.config.output_multiplier
+        softcap = self.config.final_logit_softcapping
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    def _attend(self, layer_id, layer, x, cache, slots, cos_sin) -> torch.Tensor:
+        attn = layer.self_attn
+        queries = attn.queries(x, cos_sin)
+        block_keys, block_values = attn.keys_values(x, cos_sin)
+        outputs = []
+        for b, slot in enumerate(slots):
+            start = cache.lengths[slot]
+            keys = torch.cat((cache.keys[layer_id, slot, :start], block_keys[b]))
+            values = torch.cat((cache.values[layer_id, slot, :start], block_values[b]))
+            visible = self.visibility(layer_id, start, x.shape[1], x.device)
+            outputs.append(attend_masked(queries[b], keys, values, visible, attn.head_dim**-0.5))
+        out = torch.stack(outputs).reshape(*x.shape[:2], -1)
+        return attn.o_proj(out)
+
+    def visibility(self, layer_id: int, start: int, num_tokens: int, device) -> torch.Tensor:
+        """bool [T, start+T]: which keys (context, then block) each block query sees."""
+        query_pos = torch.arange(start, start + num_tokens, device=device).unsqueeze(1)
+        key_pos = torch.arange(start + num_tokens, device=device).unsqueeze(0)
+        visible = torch.ones(num_tokens, start + num_tokens, dtype=torch.bool, device=device)
+        is_causal = self.config.layer_is_causal(layer_id)
+        if is_causal:
+            visible &= key_pos <= query_pos
+        window = self.config.layer_window(layer_id)
+        if window is not None:
+            visible &= query_pos - key_pos < window
+            if not is_causal:
+                visible &= key_pos - query_pos < window
+        return visible

@@ -1,0 +1,50 @@
+"""Drafter sessions over an engine in this process, with draft steps batched across sessions."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from dflash_serve.batching import DynamicBatcher
+from drafter_service.engine import DrafterEngine
+from drafter_service.speculative_step import DraftRequest, add_context_and_draft
+
+DEFAULT_MAX_BATCH_SIZE = 16
+DEFAULT_MAX_WAIT_US = 200
+
+
+class InProcessDrafter:
+    def __init__(
+        self,
+        engine: DrafterEngine,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_wait_us: int = DEFAULT_MAX_WAIT_US,
+    ) -> None:
+        self.engine = engine
+        self.batcher = DynamicBatcher(
+            partial(add_context_and_draft, engine), max_batch_size, max_wait_us, "drafter-engine"
+        )
+
+    async def open(self) -> DrafterSequence:
+        return DrafterSequence(self, await self.batcher.run_exclusive(self.engine.open_sequence))
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+class DrafterSequence:
+    """One request's context (implements dflash_serve.speculative.protocols.DrafterSession)."""
+
+    def __init__(self, owner: InProcessDrafter, slot: int) -> None:
+        self.owner = owner
+        self.slot = slot
+        self.is_closed = False
+
+    async def draft(self, features, anchor_id: int, num_drafts: int) -> list[int]:
+        return await self.owner.batcher.submit(
+            DraftRequest(self.slot, features, anchor_id, num_drafts)
+        )
+
+    async def close(self) -> None:
+        if not self.is_closed:
+            self.is_closed = True
+            await self.owner.batcher.run_exclusive(self.owner.engine.close_sequence, self.slot)

@@ -1,0 +1,48 @@
+"""The drafter's half of a speculative step: ingest committed features, then draft.
+
+Requests of many sessions with the same draft length share one forward.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dflash_serve.errors import DflashError
+from drafter_service.engine import DrafterEngine
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    slot: int
+    features: torch.Tensor  # [n, taps·hidden] of the tokens committed since the last draft
+    anchor_id: int
+    num_drafts: int
+
+
+def add_context_and_draft(
+    engine: DrafterEngine, requests: Sequence[DraftRequest]
+) -> list[list[int] | DflashError]:
+    """One result per request, in order; an invalid request gets its error, others run."""
+    results: list[list[int] | DflashError | None] = [None] * len(requests)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for index, request in enumerate(requests):
+        try:
+            engine.add_context(request.slot, request.features)
+        except DflashError as error:
+            results[index] = error
+            continue
+        groups[request.num_drafts].append(index)
+    for num_drafts, indices in groups.items():
+        slots = [requests[i].slot for i in indices]
+        anchors = [requests[i].anchor_id for i in indices]
+        try:
+            drafts = engine.draft(slots, anchors, num_drafts)
+        except DflashError as error:
+            drafts = [error] * len(indices)
+        for index, proposal in zip(indices, drafts, strict=True):
+            results[index] = proposal
+    return results

@@ -1,0 +1,65 @@
+"""Target sessions over an engine in this process, with verify steps batched across sessions.
+
+All engine work runs on one thread (the engine is not re-entrant); the gRPC servicer wraps
+these same sessions, and tests and benchmarks use them directly.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from dflash_serve.batching import DynamicBatcher
+from dflash_serve.speculative.types import SamplingParams, TargetStep
+from target_service.engine import TargetEngine
+from target_service.speculative_step import VerifyRequest, prefill_and_choose, verify_and_commit
+
+DEFAULT_MAX_BATCH_SIZE = 16
+DEFAULT_MAX_WAIT_US = 200
+
+
+class InProcessTarget:
+    """Opens sessions on a TargetEngine; owns the engine thread and the verify batcher."""
+
+    def __init__(
+        self,
+        engine: TargetEngine,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_wait_us: int = DEFAULT_MAX_WAIT_US,
+    ) -> None:
+        self.engine = engine
+        self.batcher = DynamicBatcher(
+            partial(verify_and_commit, engine), max_batch_size, max_wait_us, "target-engine"
+        )
+
+    async def open(self, sampling: SamplingParams) -> TargetSequence:
+        sampling.validate()
+        slot = await self.batcher.run_exclusive(self.engine.open_sequence)
+        return TargetSequence(self, slot, sampling)
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+class TargetSequence:
+    """One request's sequence (implements dflash_serve.speculative.protocols.TargetSession)."""
+
+    def __init__(self, owner: InProcessTarget, slot: int, sampling: SamplingParams) -> None:
+        self.owner = owner
+        self.slot = slot
+        self.sampling = sampling
+        self.is_closed = False
+
+    async def prefill(self, prompt_ids: list[int]) -> TargetStep:
+        return await self.owner.batcher.run_exclusive(
+            prefill_and_choose, self.owner.engine, self.slot, list(prompt_ids), self.sampling
+        )
+
+    async def verify(self, block_ids: list[int]) -> TargetStep:
+        return await self.owner.batcher.submit(
+            VerifyRequest(self.slot, list(block_ids), self.sampling)
+        )
+
+    async def close(self) -> None:
+        if not self.is_closed:
+            self.is_closed = True
+            await self.owner.batcher.run_exclusive(self.owner.engine.close_sequence, self.slot)

@@ -1,0 +1,79 @@
+"""The target's half of a speculative step: choose its tokens, accept, commit.
+
+`verify_and_commit` runs the blocks of many sessions in one forward per block length. For a
+block [anchor, d1..dk] at positions p..p+k, logits row i gives the target's token y_i at
+position p+i+1; drafts are accepted while d_{i+1} == y_i; the anchor and the accepted drafts
+are committed and y_accepted becomes the next anchor.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dflash_serve.errors import DflashError
+from dflash_serve.sampling import choose_tokens
+from dflash_serve.speculative.types import SamplingParams, TargetStep
+from target_service.engine import TargetEngine
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    slot: int
+    block_ids: list[int]
+    sampling: SamplingParams
+
+
+def prefill_and_choose(
+    engine: TargetEngine, slot: int, prompt_ids: list[int], sampling: SamplingParams
+) -> TargetStep:
+    """Commit the prompt and choose the target's first token (position len(prompt))."""
+    result = engine.prefill(slot, prompt_ids)
+    position = torch.tensor([len(prompt_ids)], device=result.last_logits.device)
+    token = choose_tokens(result.last_logits.unsqueeze(0), position, sampling)
+    return TargetStep([int(token[0])], 0, result.taps)
+
+
+def count_accepted(drafts: list[int], target_tokens: list[int]) -> int:
+    """Length of the longest prefix where each draft equals the target's token there."""
+    accepted = 0
+    for draft, token in zip(drafts, target_tokens, strict=False):
+        if draft != token:
+            break
+        accepted += 1
+    return accepted
+
+
+def verify_and_commit(
+    engine: TargetEngine, requests: Sequence[VerifyRequest]
+) -> list[TargetStep | DflashError]:
+    """One result per request, in order; an invalid request gets its error, others run."""
+    results: list[TargetStep | DflashError | None] = [None] * len(requests)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for index, request in enumerate(requests):
+        try:
+            engine.check_block(request.slot, request.block_ids)
+        except DflashError as error:
+            results[index] = error
+            continue
+        groups[len(request.block_ids)].append(index)
+    for indices in groups.values():
+        _verify_group(engine, [requests[i] for i in indices], indices, results)
+    return results
+
+
+def _verify_group(engine, group, indices, results) -> None:
+    slots = [r.slot for r in group]
+    starts = [engine.length(s) for s in slots]
+    output = engine.verify(slots, [r.block_ids for r in group])
+    num_tokens = len(group[0].block_ids)
+    for row, (request, start, index) in enumerate(zip(group, starts, indices, strict=True)):
+        positions = torch.arange(start + 1, start + 1 + num_tokens, device=output.logits.device)
+        tokens = choose_tokens(output.logits[row], positions, request.sampling).tolist()
+        accepted = count_accepted(request.block_ids[1:], tokens)
+        engine.commit(request.slot, accepted + 1)
+        features = None if output.taps is None else output.taps[row, : accepted + 1].clone()
+        results[index] = TargetStep(tokens[: accepted + 1], accepted, features)
