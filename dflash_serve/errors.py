@@ -19,3 +19,7 @@ class InvalidRequestError(DflashError):
 
 class CapacityError(DflashError):
     """No free sequence slot or not enough room in the preallocated state."""
+
+
+class NotReadyError(DflashError):
+    """The service is still loading its model or is draining."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 
 from dflash_serve.batching import DynamicBatcher
@@ -38,13 +39,19 @@ class DrafterSequence:
         self.owner = owner
         self.slot = slot
         self.is_closed = False
+        self.last_forward_ns = 0
+        self.last_batch_size = 0
 
     async def draft(self, features, anchor_id: int, num_drafts: int) -> list[int]:
-        return await self.owner.batcher.submit(
+        drafts = await self.owner.batcher.submit(
             DraftRequest(self.slot, features, anchor_id, num_drafts)
         )
+        self.last_forward_ns, self.last_batch_size = drafts.forward_ns, drafts.batch_size
+        return drafts.token_ids
 
     async def close(self) -> None:
         if not self.is_closed:
             self.is_closed = True
-            await self.owner.batcher.run_exclusive(self.owner.engine.close_sequence, self.slot)
+            # Shielded: a close from a cancelled RPC must still free the slot.
+            release = self.owner.batcher.run_exclusive(self.owner.engine.close_sequence, self.slot)
+            await asyncio.shield(asyncio.ensure_future(release))

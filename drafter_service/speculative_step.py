@@ -5,6 +5,7 @@ Requests of many sessions with the same draft length share one forward.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,13 @@ import torch
 
 from dflash_serve.errors import DflashError
 from drafter_service.engine import DrafterEngine
+
+
+@dataclass(frozen=True)
+class Drafts:
+    token_ids: list[int]
+    forward_ns: int  # the batched forward's time
+    batch_size: int  # sessions that shared it
 
 
 @dataclass(frozen=True)
@@ -25,9 +33,9 @@ class DraftRequest:
 
 def add_context_and_draft(
     engine: DrafterEngine, requests: Sequence[DraftRequest]
-) -> list[list[int] | DflashError]:
+) -> list[Drafts | DflashError]:
     """One result per request, in order; an invalid request gets its error, others run."""
-    results: list[list[int] | DflashError | None] = [None] * len(requests)
+    results: list[Drafts | DflashError | None] = [None] * len(requests)
     groups: dict[int, list[int]] = defaultdict(list)
     for index, request in enumerate(requests):
         try:
@@ -39,10 +47,14 @@ def add_context_and_draft(
     for num_drafts, indices in groups.items():
         slots = [requests[i].slot for i in indices]
         anchors = [requests[i].anchor_id for i in indices]
+        began_ns = time.perf_counter_ns()
         try:
-            drafts = engine.draft(slots, anchors, num_drafts)
+            proposals = engine.draft(slots, anchors, num_drafts)
         except DflashError as error:
-            drafts = [error] * len(indices)
-        for index, proposal in zip(indices, drafts, strict=True):
-            results[index] = proposal
+            for index in indices:
+                results[index] = error
+            continue
+        elapsed_ns = time.perf_counter_ns() - began_ns
+        for index, proposal in zip(indices, proposals, strict=True):
+            results[index] = Drafts(proposal, elapsed_ns, len(indices))
     return results

@@ -1,8 +1,9 @@
-"""`dflash-serve` entry point: parses flags into one frozen config per command and runs it."""
+"""`dflash-serve`: parses flags into one frozen config per command and runs it."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
@@ -10,19 +11,106 @@ from dflash_serve.errors import DflashError
 
 logger = logging.getLogger("dflash-serve")
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def parse_ids(text: str) -> tuple[int, ...]:
+    """'1,5,9' → (1, 5, 9)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from error
+
+
+def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="auto: bf16 on GPU, fp32 on CPU"
+    )
+    parser.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (slots)")
+    parser.add_argument("--max-context-tokens", type=int, default=4096, help="tokens per session")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="sessions per batched step")
+    parser.add_argument(
+        "--max-wait-us", type=int, default=200, help="how long a step waits for companions"
+    )
+    parser.add_argument("--grace-period-s", type=float, default=5.0, help="drain time on SIGTERM")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser(
-        "inspect-target", help="load a Qwen3.5 checkpoint and print its shapes and state sizes"
+
+    target = sub.add_parser("target", help="run the target gRPC service")
+    target.add_argument("--model", required=True, help="Qwen3.5 checkpoint directory or hub id")
+    taps = target.add_mutually_exclusive_group()
+    taps.add_argument(
+        "--tap-layer-ids", type=parse_ids, help="layers whose outputs the drafter reads"
     )
+    taps.add_argument("--drafter-model", help="read the tap layers from this drafter's config")
+    target.add_argument("--prefill-chunk-tokens", type=int, default=512)
+    add_service_flags(target, 50051)
+
+    drafter = sub.add_parser("drafter", help="run the DFlash drafter gRPC service")
+    drafter.add_argument("--model", required=True, help="DFlash drafter directory or hub id")
+    drafter.add_argument("--target-model", required=True, help="the target (embeddings, head)")
+    add_service_flags(drafter, 50052)
+
+    inspect = sub.add_parser("inspect-target", help="load a checkpoint and print its shapes")
     inspect.add_argument("--model", required=True, help="checkpoint directory or hub id")
-    inspect.add_argument("--dtype", choices=DTYPES, default="float32")
+    inspect.add_argument("--dtype", choices=DTYPES[1:], default="float32")
     inspect.add_argument("--device", default="cpu")
     return parser
+
+
+def service_settings(args: argparse.Namespace):
+    from dflash_serve.service_settings import ServiceSettings
+
+    return ServiceSettings(
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        max_sessions=args.max_sessions,
+        max_context_tokens=args.max_context_tokens,
+        max_batch_size=args.max_batch_size,
+        max_wait_us=args.max_wait_us,
+        grace_period_s=args.grace_period_s,
+    )
+
+
+def run_target(args: argparse.Namespace) -> None:
+    from target_service.config import TargetServiceConfig
+    from target_service.server import serve
+
+    taps = args.tap_layer_ids or ()
+    if args.drafter_model:
+        from dflash_serve.checkpoint.resolve import resolve_model_dir
+        from drafter_service.model.config import load_dflash_config
+
+        taps = load_dflash_config(resolve_model_dir(args.drafter_model)).target_layer_ids
+    config = TargetServiceConfig(
+        model=args.model,
+        tap_layer_ids=tuple(taps),
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        service=service_settings(args),
+    )
+    config.validate()
+    asyncio.run(serve(config))
+
+
+def run_drafter(args: argparse.Namespace) -> None:
+    from drafter_service.config import DrafterServiceConfig
+    from drafter_service.server import serve
+
+    config = DrafterServiceConfig(
+        model=args.model, target_model=args.target_model, service=service_settings(args)
+    )
+    config.validate()
+    asyncio.run(serve(config))
 
 
 def run_inspect_target(args: argparse.Namespace) -> None:
@@ -32,9 +120,7 @@ def run_inspect_target(args: argparse.Namespace) -> None:
     from target_service.model.loader import load_target_model
     from target_service.model.state import StateShape
 
-    model = load_target_model(
-        args.model, getattr(torch, args.dtype), args.device, show_progress=True
-    )
+    model = load_target_model(args.model, getattr(torch, args.dtype), args.device, True)
     config = model.config
     engine = TargetEngine(model, StateShape(max_slots=1, max_len=1))
     int4 = sum(1 for m in model.modules() if type(m).__name__ == "Int4Linear")
@@ -47,15 +133,21 @@ def run_inspect_target(args: argparse.Namespace) -> None:
         print(f"state per sequence, {kind}: {nbytes / 2**20:.2f} MiB")
 
 
+COMMANDS = {"target": run_target, "drafter": run_drafter, "inspect-target": run_inspect_target}
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "inspect-target":
-            run_inspect_target(args)
+        COMMANDS[args.command](args)
     except DflashError as error:
         print(f"dflash-serve: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

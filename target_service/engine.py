@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_serve.errors import InvalidRequestError
+from dflash_serve.feature_channel import SharedFeatureBuffer
 from dflash_serve.slots import SlotAllocator
 from target_service.model.commit import commit_block
 from target_service.model.decoder import Qwen35TextModel
@@ -46,7 +47,9 @@ class TargetEngine:
         shape: StateShape,
         tap_layer_ids: tuple[int, ...] = (),
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        share_features: bool = False,
     ) -> None:
+        """share_features: also write taps into a CUDA buffer other processes can map."""
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]
         if bad:
@@ -62,6 +65,12 @@ class TargetEngine:
         self.dtype = model.embed_tokens.weight.dtype
         self.state = TargetState(config, shape, self.dtype, self.device)
         self.slots = SlotAllocator(shape.max_slots, "target")
+        self.shared_features: SharedFeatureBuffer | None = None
+        if share_features and tap_layer_ids:
+            width = len(tap_layer_ids) * config.hidden_size
+            self.shared_features = SharedFeatureBuffer(
+                shape.max_slots, shape.max_len, width, self.dtype, self.device
+            )
 
     def open_sequence(self) -> int:
         """Reserve a slot with empty state; CapacityError when all are in use."""
@@ -90,9 +99,10 @@ class TargetEngine:
             batch = ForwardBatch((slot,), (self.state.lengths[slot],), len(chunk), is_verify=False)
             ids = torch.tensor([chunk], device=self.device)
             hidden, tapped = self.model(ids, batch, self.state, self.tap_layer_ids)
-            self.state.lengths[slot] += len(chunk)
             if tapped is not None:
                 taps.append(tapped[0])
+                self._share(slot, self.state.lengths[slot], tapped[0])
+            self.state.lengths[slot] += len(chunk)
         last_logits = self.model.logits(hidden[0, -1])
         return PrefillResult(last_logits, torch.cat(taps) if taps else None)
 
@@ -117,8 +127,10 @@ class TargetEngine:
         batch = ForwardBatch(tuple(slots), starts, num_tokens, is_verify=True)
         ids = torch.tensor(block_ids, device=self.device)
         hidden, taps = self.model(ids, batch, self.state, self.tap_layer_ids)
-        for slot in slots:
+        for row, slot in enumerate(slots):
             self.state.block_sizes[slot] = num_tokens
+            if taps is not None:
+                self._share(slot, starts[row], taps[row])
         return VerifyResult(self.model.logits(hidden), taps)
 
     def check_block(self, slot: int, block_ids: list[int]) -> None:
@@ -144,6 +156,11 @@ class TargetEngine:
                 f"slot {slot}: num_kept must be in 1..{block_size}, got {num_kept}"
             )
         commit_block(self.state, slot, num_kept)
+
+    def _share(self, slot: int, start: int, rows: torch.Tensor) -> None:
+        """Rows beyond what is later committed are overwritten by the next block."""
+        if self.shared_features is not None:
+            self.shared_features.write(slot, start, rows)
 
     def _check_slot(self, slot: int) -> None:
         self.slots.check_open(slot)

@@ -6,6 +6,7 @@ these same sessions, and tests and benchmarks use them directly.
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 
 from dflash_serve.batching import DynamicBatcher
@@ -62,4 +63,6 @@ class TargetSequence:
     async def close(self) -> None:
         if not self.is_closed:
             self.is_closed = True
-            await self.owner.batcher.run_exclusive(self.owner.engine.close_sequence, self.slot)
+            # Shielded: a close from a cancelled RPC must still free the slot.
+            release = self.owner.batcher.run_exclusive(self.owner.engine.close_sequence, self.slot)
+            await asyncio.shield(asyncio.ensure_future(release))

@@ -8,6 +8,7 @@ are committed and y_accepted becomes the next anchor.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,10 +32,11 @@ def prefill_and_choose(
     engine: TargetEngine, slot: int, prompt_ids: list[int], sampling: SamplingParams
 ) -> TargetStep:
     """Commit the prompt and choose the target's first token (position len(prompt))."""
+    began_ns = time.perf_counter_ns()
     result = engine.prefill(slot, prompt_ids)
     position = torch.tensor([len(prompt_ids)], device=result.last_logits.device)
-    token = choose_tokens(result.last_logits.unsqueeze(0), position, sampling)
-    return TargetStep([int(token[0])], 0, result.taps)
+    token = int(choose_tokens(result.last_logits.unsqueeze(0), position, sampling)[0])
+    return TargetStep([token], 0, result.taps, 0, time.perf_counter_ns() - began_ns)
 
 
 def count_accepted(drafts: list[int], target_tokens: list[int]) -> int:
@@ -66,14 +68,19 @@ def verify_and_commit(
 
 
 def _verify_group(engine, group, indices, results) -> None:
+    began_ns = time.perf_counter_ns()
     slots = [r.slot for r in group]
     starts = [engine.length(s) for s in slots]
     output = engine.verify(slots, [r.block_ids for r in group])
     num_tokens = len(group[0].block_ids)
-    for row, (request, start, index) in enumerate(zip(group, starts, indices, strict=True)):
+    steps = []
+    for row, (request, start) in enumerate(zip(group, starts, strict=True)):
         positions = torch.arange(start + 1, start + 1 + num_tokens, device=output.logits.device)
         tokens = choose_tokens(output.logits[row], positions, request.sampling).tolist()
         accepted = count_accepted(request.block_ids[1:], tokens)
         engine.commit(request.slot, accepted + 1)
         features = None if output.taps is None else output.taps[row, : accepted + 1].clone()
-        results[index] = TargetStep(tokens[: accepted + 1], accepted, features)
+        steps.append((tokens[: accepted + 1], accepted, features, start))
+    elapsed_ns = time.perf_counter_ns() - began_ns
+    for index, step in zip(indices, steps, strict=True):
+        results[index] = TargetStep(*step, forward_ns=elapsed_ns, batch_size=len(group))

@@ -41,12 +41,17 @@ class TargetStep:
     token_ids: the tokens this step produced (the accepted drafts, then the target's own
     token); the last one is the next anchor, not yet fed to the target. features: the
     tapped hidden states of the tokens the target committed in this step, opaque to the
-    loop (a tensor in-process, a reference over gRPC).
+    loop (a tensor in-process, a reference over gRPC); start_position: the absolute position
+    of the first of those tokens; forward_ns / batch_size: the batched forward's time and
+    how many sessions shared it.
     """
 
     token_ids: list[int]
     num_accepted: int
     features: Any
+    start_position: int = 0
+    forward_ns: int = 0
+    batch_size: int = 1
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""What both gRPC services share: server bootstrap, error mapping, feature messages."""

@@ -1,0 +1,42 @@
+"""Settings every model service takes (network, device, capacity, batching, shutdown)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_serve.errors import ConfigError
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"  # bfloat16 on a GPU, float32 on the CPU
+    max_sessions: int = 16
+    max_context_tokens: int = 4096
+    max_batch_size: int = 16
+    max_wait_us: int = 200
+    grace_period_s: float = 5.0
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    def validate(self, service: str) -> None:
+        checks = {
+            "port": 0 <= self.port <= 65535,
+            "max_sessions": self.max_sessions >= 1,
+            "max_context_tokens": self.max_context_tokens >= 2,
+            "max_batch_size": self.max_batch_size >= 1,
+            "max_wait_us": self.max_wait_us >= 0,
+            "grace_period_s": self.grace_period_s >= 0,
+            "dtype": self.dtype in DTYPE_CHOICES,
+        }
+        bad = {name: getattr(self, name) for name, ok in checks.items() if not ok}
+        if bad:
+            raise ConfigError(f"{service} service: invalid settings {bad}")

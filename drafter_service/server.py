@@ -1,0 +1,109 @@
+"""The drafter's gRPC servicer and its `serve` entry point (protobuf stops here)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict
+
+from dflash_protos import drafter_pb2, drafter_pb2_grpc
+from dflash_serve.errors import DflashError, InvalidRequestError
+from dflash_serve.grpc_support.errors import abort_with
+from dflash_serve.grpc_support.feature_messages import (
+    features_from_message,
+    shared_buffer_from_message,
+    transport_name,
+)
+from dflash_serve.grpc_support.model_servicer import ModelServicer
+from dflash_serve.grpc_support.server import GrpcServer, close_when_done
+from drafter_service.config import DrafterServiceConfig
+from drafter_service.runtime import DrafterRuntime
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
+
+
+class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
+    kind = "drafter"
+
+    async def GetInfo(self, request, context):
+        return await self.answer(context, drafter_pb2.GetInfoResponse, lambda r: asdict(r.info))
+
+    async def GetStats(self, request, context):
+        return await self.answer(context, drafter_pb2.GetStatsResponse, lambda r: r.stats())
+
+    async def RunSession(self, request_iterator, context):
+        session = None
+        messages = aiter(request_iterator)
+        try:
+            async for message in messages:
+                kind = message.WhichOneof("step")
+                if kind == "open":
+                    if session is not None:
+                        raise InvalidRequestError("open was sent twice on one session stream")
+                    session = await self._open(message.open)
+                    close_when_done(context, session)
+                    yield drafter_pb2.RunSessionResponse(
+                        opened=drafter_pb2.SessionOpened(slot=session.slot)
+                    )
+                elif session is None:
+                    raise InvalidRequestError(f"{kind} before open: open the session first")
+                elif kind == "draft":
+                    draft = message.draft
+                    features = await self._features(draft.features, messages)
+                    ids = await session.draft(features, draft.anchor_id, draft.num_drafts)
+                    yield drafter_pb2.RunSessionResponse(
+                        drafted=drafter_pb2.Drafted(
+                            draft_ids=ids,
+                            forward_ns=session.last_forward_ns,
+                            batch_size=session.last_batch_size,
+                        )
+                    )
+                else:
+                    raise InvalidRequestError(f"unexpected {kind or 'empty message'} here")
+        except DflashError as error:
+            await abort_with(context, error)
+        finally:
+            if session is not None:
+                await session.close()
+
+    async def _open(self, open_message):
+        runtime = self.ready()
+        transport = transport_name(open_message.feature_transport, default="inline")
+        if transport == "none":
+            raise InvalidRequestError("a drafter session needs features: inline or cuda_ipc")
+        if transport == "cuda_ipc":
+            runtime.attach_shared_buffer(shared_buffer_from_message(open_message.shared_buffer))
+        return await runtime.drafter.open()
+
+    async def _features(self, ref, messages):
+        """Read the inline chunks that follow a draft, then rebuild the tensor."""
+        chunks = []
+        if ref.WhichOneof("location") == "inline":
+            for _ in range(ref.inline.num_chunks):
+                message = await anext(messages)
+                if message.WhichOneof("step") != "feature_chunk":
+                    raise InvalidRequestError("a draft's feature chunks were interrupted")
+                chunks.append(message.feature_chunk)
+        return self.runtime.import_features(features_from_message(ref, chunks))
+
+
+async def serve(config: DrafterServiceConfig) -> None:
+    """Listen at once (health NOT_SERVING), load the drafter, serve until SIGTERM."""
+    servicer = DrafterServicer()
+    server = GrpcServer(
+        config.service.host,
+        config.service.port,
+        [SERVICE_NAME],
+        lambda s: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, s),
+    )
+    settings = config.service
+    port = await server.start()
+    server.stop_on_signals(settings.grace_period_s)
+    logger.info("drafter service listening on %s:%d; loading %s", settings.host, port, config.model)
+    servicer.runtime = await asyncio.to_thread(DrafterRuntime, config)
+    await server.set_serving(True)
+    logger.info("drafter service ready on %s:%d", settings.host, port)
+    await server.wait_until_stopped()
+    servicer.runtime.close()

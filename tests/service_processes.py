@@ -1,0 +1,77 @@
+"""Start the services as real processes (`python -m launcher.main …`) and wait for them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LISTENING = re.compile(r"listening on [\w.]+:(\d+)")
+
+
+@dataclass
+class ServiceProcess:
+    process: subprocess.Popen
+    port: int
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def start_service(args: list[str], timeout_s: float = 120.0) -> ServiceProcess:
+    """Run `dflash-serve ARGS --port 0`, return once it reports SERVING on its health check."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "launcher.main", *args, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log: list[str] = []
+    port_found = threading.Event()
+    found: list[int] = []
+
+    def pump() -> None:
+        for line in process.stdout:
+            log.append(line)
+            match = LISTENING.search(line)
+            if match and not found:
+                found.append(int(match.group(1)))
+                port_found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not port_found.wait(timeout_s):
+        process.kill()
+        raise RuntimeError("service did not start:\n" + "".join(log))
+    service = ServiceProcess(process, found[0], log)
+    wait_serving(service.address, timeout_s, service)
+    return service
+
+
+def wait_serving(address: str, timeout_s: float, service: ServiceProcess | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if service is not None and service.process.poll() is not None:
+                raise RuntimeError("service exited:\n" + "".join(service.log))
+            response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} did not become SERVING within {timeout_s} s")
