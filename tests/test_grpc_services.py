@@ -15,11 +15,11 @@ from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.types import SamplingParams
 from gateway.drafter_client import DrafterClient
 from gateway.target_client import TargetClient
+from launcher.service_processes import start_service
 from target_service.engine import TargetEngine
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
 from target_service.session import InProcessTarget
-from tests.service_processes import start_service
 from tests.speculative_harness import generate
 
 MAX_SESSIONS = 16

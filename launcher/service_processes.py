@@ -1,4 +1,4 @@
-"""Start the services as real processes (`python -m launcher.main …`) and wait for them."""
+"""Start services as real processes (`python -m launcher.main …`) and wait until they serve."""
 
 from __future__ import annotations
 
