@@ -40,6 +40,39 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     parser.add_argument("--grace-period-s", type=float, default=5.0, help="drain time on SIGTERM")
 
 
+def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    parser.add_argument("--served-model-name", default="dflash", help="the API's model id")
+    parser.add_argument("--num-drafts", type=int, default=15, help="drafts per step (0..15)")
+    parser.add_argument("--max-concurrent-requests", type=int, default=16)
+    parser.add_argument("--max-queued-requests", type=int, default=64)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--feature-transport", choices=("auto", "inline", "cuda_ipc"), default="auto"
+    )
+
+
+def gateway_config(args: argparse.Namespace, target: str, drafter: str | None, tokenizer: str):
+    from gateway.config import GatewayConfig
+
+    config = GatewayConfig(
+        target_address=target,
+        drafter_address=drafter,
+        tokenizer_path=tokenizer,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        num_drafts=args.num_drafts,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_requests=args.max_queued_requests,
+        request_timeout_s=args.request_timeout_s,
+        feature_transport=args.feature_transport,
+    )
+    config.validate()
+    return config
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     drafter.add_argument("--model", required=True, help="DFlash drafter directory or hub id")
     drafter.add_argument("--target-model", required=True, help="the target (embeddings, head)")
     add_service_flags(drafter, 50052)
+
+    gateway = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway alone")
+    gateway.add_argument("--target-address", required=True, help="HOST:PORT of the target")
+    gateway.add_argument("--drafter-address", help="HOST:PORT of the drafter (else target-only)")
+    gateway.add_argument("--tokenizer", required=True, help="the target checkpoint (tokenizer)")
+    add_gateway_flags(gateway)
+
+    up = sub.add_parser("up", help="start target, drafter and gateway on this machine")
+    up.add_argument("--target", help="Qwen3.5 checkpoint (default: the embedded demo pair)")
+    up.add_argument("--drafter", help="DFlash drafter checkpoint (omit for target-only)")
+    up.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    up.add_argument("--max-context-tokens", type=int, default=4096)
+    up.add_argument("--max-sessions", type=int, default=16)
+    add_gateway_flags(up)
 
     inspect = sub.add_parser("inspect-target", help="load a checkpoint and print its shapes")
     inspect.add_argument("--model", required=True, help="checkpoint directory or hub id")
@@ -113,6 +160,58 @@ def run_drafter(args: argparse.Namespace) -> None:
     asyncio.run(serve(config))
 
 
+def run_gateway(args: argparse.Namespace) -> None:
+    from gateway.app import serve
+
+    config = gateway_config(args, args.target_address, args.drafter_address, args.tokenizer)
+    asyncio.run(serve(config))
+
+
+def run_up(args: argparse.Namespace) -> None:
+    """Target and drafter as child processes, the gateway in this process."""
+    import os
+    from pathlib import Path
+
+    from gateway.app import serve
+    from launcher.embedded_default import embedded_model_pair
+    from launcher.service_processes import start_service
+
+    target, drafter = args.target, args.drafter
+    if target is None:
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash-serve"
+        target, drafter = (str(p) for p in embedded_model_pair(cache))
+        print(f"no --target given: serving the embedded demo pair from {Path(target).parent}")
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    common = [
+        "--device",
+        device,
+        "--max-context-tokens",
+        str(args.max_context_tokens),
+        "--max-sessions",
+        str(args.max_sessions),
+    ]
+    taps = ["--drafter-model", drafter] if drafter else []
+    children = [start_service(["target", "--model", target, *taps, *common], echo=True)]
+    try:
+        if drafter:
+            children.append(
+                start_service(
+                    ["drafter", "--model", drafter, "--target-model", target, *common], echo=True
+                )
+            )
+        config = gateway_config(
+            args, children[0].address, children[1].address if drafter else None, target
+        )
+        asyncio.run(serve(config))
+    finally:
+        for child in children:
+            child.stop()
+
+
 def run_inspect_target(args: argparse.Namespace) -> None:
     import torch
 
@@ -133,7 +232,13 @@ def run_inspect_target(args: argparse.Namespace) -> None:
         print(f"state per sequence, {kind}: {nbytes / 2**20:.2f} MiB")
 
 
-COMMANDS = {"target": run_target, "drafter": run_drafter, "inspect-target": run_inspect_target}
+COMMANDS = {
+    "target": run_target,
+    "drafter": run_drafter,
+    "gateway": run_gateway,
+    "up": run_up,
+    "inspect-target": run_inspect_target,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,8 +34,10 @@ class ServiceProcess:
                 self.process.kill()
 
 
-def start_service(args: list[str], timeout_s: float = 120.0) -> ServiceProcess:
-    """Run `dflash-serve ARGS --port 0`, return once it reports SERVING on its health check."""
+def start_service(args: list[str], timeout_s: float = 600.0, echo: bool = False) -> ServiceProcess:
+    """Run `dflash-serve ARGS --port 0`, return once it reports SERVING on its health check.
+
+    echo: copy the child's output to ours as it comes (progress while loading)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "launcher.main", *args, "--port", "0"],
         stdout=subprocess.PIPE,
@@ -49,6 +51,8 @@ def start_service(args: list[str], timeout_s: float = 120.0) -> ServiceProcess:
     def pump() -> None:
         for line in process.stdout:
             log.append(line)
+            if echo:
+                sys.stderr.write(line)
             match = LISTENING.search(line)
             if match and not found:
                 found.append(int(match.group(1)))

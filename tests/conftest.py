@@ -22,3 +22,11 @@ def dflash_dir(tmp_path_factory):
     from tests.tiny_checkpoints import write_dflash
 
     return write_dflash(tmp_path_factory.mktemp("dflash"), seed=3)
+
+
+@pytest.fixture(scope="session")
+def embedded_pair(tmp_path_factory):
+    """The product's embedded default pair (tiny random target with a byte tokenizer)."""
+    from launcher.embedded_default import embedded_model_pair
+
+    return embedded_model_pair(tmp_path_factory.mktemp("embedded"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM
 
-from bench.random_checkpoints import (
+from dflash_serve.checkpoint.synthetic import (
     DFLASH_4B,
     QWEN35_4B_TEXT,
     write_drafter,

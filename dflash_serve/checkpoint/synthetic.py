@@ -1,9 +1,10 @@
 """Write Qwen3.5-4B-shaped (or smaller) checkpoints with random weights, in real layouts.
 
-No real weights can be downloaded here, so speed is measured on checkpoints of the exact
-production shapes: a Qwen3.5 text model in Hugging Face layout (bf16; AutoAWQ 4-bit on the
-MLPs only, like QuantTrio's build; or on every large linear) and a DFlash drafter in z-lab's
-layout. Tensors are drawn on `device` (a GPU makes this fast) and written in shards.
+Used by the benchmarks (no real weights can be downloaded here, so speed is measured on
+checkpoints of the exact production shapes) and by the embedded default model pair: a
+Qwen3.5 text model in Hugging Face layout (bf16; AutoAWQ 4-bit on the MLPs only, like
+QuantTrio's build; or on every large linear) and a DFlash drafter in z-lab's layout.
+Tensors are drawn on `device` (a GPU makes this fast) and written in shards.
 """
 
 from __future__ import annotations

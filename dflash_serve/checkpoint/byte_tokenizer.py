@@ -1,0 +1,70 @@
+"""A byte-level tokenizer with Qwen's special tokens and a ChatML template, written to disk.
+
+The embedded default model and the tests need a real tokenizer that transformers'
+AutoTokenizer loads from a checkpoint directory. Every byte is one token (ids 0..255), so
+any text round-trips and multi-byte characters span several tokens — exactly the case
+incremental detokenization must get right.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+NUM_BYTE_TOKENS = 256
+# Ids after the special tokens: the drafter's MASK placeholder, never produced by the text.
+MASK_TOKEN = "<|mask|>"
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{ '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def special_token_ids() -> dict[str, int]:
+    names = (*SPECIAL_TOKENS, MASK_TOKEN)
+    return {name: NUM_BYTE_TOKENS + i for i, name in enumerate(names)}
+
+
+def write_byte_tokenizer(model_dir: Path) -> dict[str, int]:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja; return special ids."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_symbols = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {symbol: i for i, symbol in enumerate(byte_symbols)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = special_token_ids()
+    tokenizer.add_special_tokens(list(specials))
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "TokenizersBackend",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 1_000_000,
+        "clean_up_tokenization_spaces": False,
+    }
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (model_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return specials
+
+
+def _byte_of(symbol: str) -> int:
+    """The byte a GPT-2 byte-level symbol stands for (the inverse of bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    if ord(symbol) in printable:
+        return ord(symbol)
+    others = [b for b in range(256) if b not in printable]
+    return others[ord(symbol) - 256]
