@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.random_checkpoints import DFLASH_4B, QWEN35_4B_TEXT, write_drafter, write_target
+from dflash_serve.checkpoint.synthetic import DFLASH_4B, QWEN35_4B_TEXT, write_drafter, write_target
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.types import SamplingParams
 from gateway.drafter_client import DrafterClient

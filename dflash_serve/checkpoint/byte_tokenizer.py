@@ -62,8 +62,11 @@ def write_byte_tokenizer(model_dir: Path) -> dict[str, int]:
 
 def _byte_of(symbol: str) -> int:
     """The byte a GPT-2 byte-level symbol stands for (the inverse of bytes_to_unicode)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     if ord(symbol) in printable:
         return ord(symbol)
     others = [b for b in range(256) if b not in printable]
