@@ -1,0 +1,144 @@
+"""End-to-end measurements over the two gRPC services (real processes) with acceptance imposed.
+
+The drafter service still runs its forward for every step (and costs its time); only the
+tokens it returns are replaced by the target's known continuation with a chosen number of
+correct drafts, so that speed at an acceptance length τ is measured honestly. The loop runs
+in this process through the gateway's gRPC clients; the HTTP layer is not in these numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
+from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
+from dflash_serve.speculative.types import SamplingParams
+
+
+@dataclass
+class StepTimes:
+    """Per-step (wall_ns, forward_ns) of verify and draft calls."""
+
+    verify: list[tuple[int, int]] = field(default_factory=list)
+    draft: list[tuple[int, int]] = field(default_factory=list)
+
+
+class TimedTarget:
+    def __init__(self, session, times: StepTimes) -> None:
+        self.session, self.times = session, times
+
+    async def prefill(self, prompt_ids):
+        return await self.session.prefill(prompt_ids)
+
+    async def verify(self, block_ids):
+        began = time.perf_counter_ns()
+        step = await self.session.verify(block_ids)
+        self.times.verify.append((time.perf_counter_ns() - began, step.forward_ns))
+        return step
+
+    async def close(self):
+        await self.session.close()
+
+
+class ImposedAcceptanceDrafter:
+    """Runs the real drafter (timed), then returns scripted drafts with τ−1 correct ones."""
+
+    def __init__(self, real, continuation, tau: int, vocab: int, times: StepTimes) -> None:
+        self.real = real
+        self.script = ScriptedDrafter(continuation, [tau - 1], vocab)
+        self.times = times
+
+    async def draft(self, features, anchor_id, num_drafts):
+        began = time.perf_counter_ns()
+        await self.real.draft(features, anchor_id, num_drafts)
+        self.times.draft.append((time.perf_counter_ns() - began, self.real.last_forward_ns))
+        return await self.script.draft(features, anchor_id, num_drafts)
+
+    async def close(self):
+        await self.real.close()
+
+
+@dataclass
+class RequestResult:
+    tokens: list[int]
+    ttft_s: float
+    total_s: float
+    times: StepTimes
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.total_s - self.ttft_s) / max(len(self.tokens) - 1, 1)
+
+
+async def run_request(
+    target,
+    drafter,
+    prompt,
+    max_new,
+    continuation=None,
+    tau=None,
+    vocab=0,
+    transport="inline",
+    shared=None,
+    max_context=8192,
+):
+    """One greedy request; with `drafter` None it is target-only (the continuation oracle)."""
+    times = StepTimes()
+    began = time.perf_counter()
+    use_drafter = drafter is not None and tau is not None
+    session = TimedTarget(
+        await target.open(SamplingParams(), transport if use_drafter else "none"), times
+    )
+    drafter_session = None
+    if use_drafter:
+        real = await drafter.open(transport, shared) if shared else await drafter.open(transport)
+        drafter_session = ImposedAcceptanceDrafter(real, continuation, tau, vocab, times)
+    gen = SpeculativeGeneration(
+        session, drafter_session, prompt, StopRules(max_new), 15, max_context
+    )
+    tokens, ttft = [], None
+    async for token in gen.tokens():
+        tokens.append(token)
+        ttft = ttft if ttft is not None else time.perf_counter() - began
+    total = time.perf_counter() - began
+    await session.close()
+    if drafter_session is not None:
+        await drafter_session.close()
+    return RequestResult(tokens, ttft, total, times)
+
+
+def overhead_fraction(times: StepTimes) -> float:
+    """Share of step wall time that is not a model forward (verify + draft per step)."""
+    wall = sum(w for w, _ in times.verify) + sum(w for w, _ in times.draft)
+    forward = sum(f for _, f in times.verify) + sum(f for _, f in times.draft)
+    return (wall - forward) / wall if wall else 0.0
+
+
+def summarize(result: RequestResult) -> dict:
+    return {
+        "tok_s": round(len(result.tokens) / result.total_s, 2),
+        "ttft_ms": round(result.ttft_s * 1e3, 2),
+        "tpot_ms": round(result.tpot_s * 1e3, 3),
+        "overhead_frac": round(overhead_fraction(result.times), 4),
+        "num_steps": len(result.times.verify),
+    }
+
+
+async def concurrent_throughput(
+    target, drafter, prompt, continuation, tau, vocab, count, max_new, transport, shared
+) -> float:
+    """Total generated tokens per second with `count` identical requests at once."""
+    began = time.perf_counter()
+    results = await asyncio.gather(
+        *(
+            run_request(
+                target, drafter, prompt, max_new, continuation, tau, vocab, transport, shared
+            )
+            for _ in range(count)
+        )
+    )
+    elapsed = time.perf_counter() - began
+    assert all(r.tokens == continuation[:max_new] for r in results), "outputs diverged"
+    return sum(len(r.tokens) for r in results) / elapsed

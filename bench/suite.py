@@ -1,0 +1,342 @@
+"""The benchmark suite: floor, peers and the whole pipeline, measured in one GPU run.
+
+    python -m bench.suite --out-dir bench/results [--quick]
+
+Builds Qwen3.5-4B-shaped random checkpoints (bf16, int4 MLPs like QuantTrio, int4 on every
+large linear) and a drafter of the published DFlash shape, then measures what
+bench/README.md lists. Each section that fails is recorded under "errors" and the run goes
+on. Nothing here is asserted: numbers are reported as measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench import measure_e2e, measure_engine
+from bench.report import write_results
+from bench.timing import empty_cache, hbm_bandwidth_gbps, run_facts
+from dflash_serve.checkpoint.synthetic import (
+    DFLASH_4B,
+    LAYOUTS,
+    QWEN35_4B_TEXT,
+    write_drafter,
+    write_target,
+)
+
+logger = logging.getLogger("bench")
+TAUS = (1, 3, 6, 10)
+CHALLENGE = {64: 128, 2048: 256, 8192: 256}
+CONCURRENCY = (1, 4, 8, 16)
+# --smoke: the same code on the CPU with tiny shapes, to check the suite before GPU time.
+SMOKE_TARGET = dict(
+    QWEN35_4B_TEXT,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+)
+SMOKE_DRAFTER = dict(
+    DFLASH_4B,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    layer_types=["sliding_attention", "full_attention"],
+    sliding_window=64,
+    vocab_size=512,
+    dflash_config={"target_layer_ids": [1, 3], "mask_token_id": 500},
+)
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.results: dict = run_facts("python -m bench.suite " + " ".join(sys.argv[1:]))
+        self.results["errors"] = {}
+        self.workdir = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
+        self.dirs: dict[str, Path] = {}
+        self.device = "cpu" if args.smoke else "cuda"
+        self.target_config = SMOKE_TARGET if args.smoke else QWEN35_4B_TEXT
+        self.drafter_config = SMOKE_DRAFTER if args.smoke else DFLASH_4B
+        self.challenge = {64: 16, 256: 16} if args.smoke else CHALLENGE
+        self.concurrency = (1, 2) if args.smoke else CONCURRENCY
+        self.transport = "inline" if args.smoke else "cuda_ipc"
+        self.vocab = self.target_config["vocab_size"]
+
+    def section(self, name: str, fn) -> None:
+        progress(f"{name} …")
+        began = time.time()
+        try:
+            fn()
+        except Exception as error:  # one failed section must not lose the others
+            self.results["errors"][name] = f"{type(error).__name__}: {error}"
+            traceback.print_exc()
+        progress(f"{name} done in {time.time() - began:.0f} s")
+        write_results(self.results, self.args.out_dir)  # partial results survive a timeout
+        gc.collect()
+        empty_cache()
+
+    def checkpoints(self) -> None:
+        for layout in self.args.layouts:
+            self.dirs[layout] = write_target(
+                self.workdir / layout, self.target_config, layout, device=self.device
+            )
+        self.dirs["drafter"] = write_drafter(
+            self.workdir / "drafter", self.drafter_config, device=self.device
+        )
+
+    def layouts(self) -> None:
+        from drafter_service.engine import DrafterEngine
+        from drafter_service.model.loader import load_drafter
+
+        self.results["hbm_gbps"] = hbm_bandwidth_gbps(self.device)
+        drafter = DrafterEngine(
+            load_drafter(self.dirs["drafter"], self.dirs["bf16"], torch.bfloat16, self.device),
+            2,
+            4096,
+        )
+        draft_ms = measure_engine.draft_step_ms(drafter)
+        del drafter
+        self.results["layouts"] = {}
+        for layout in self.args.layouts:
+            weight_bytes = measure_engine.weight_bytes_per_forward(self.dirs[layout])
+            engine = measure_engine.build_target(self.dirs[layout], 2, 4096, self.device)
+            self.results["layouts"][layout] = {
+                "weight_bytes": weight_bytes,
+                "floor_ms": weight_bytes / (self.results["hbm_gbps"] * 1e9) * 1e3,
+                "verify_ms": measure_engine.verify_step_ms(engine),
+                "draft_ms": draft_ms,
+            }
+            progress(f"  {layout}: {self.results['layouts'][layout]}")
+            if layout == "bf16":
+                self.engine_checks(engine)
+            del engine
+            gc.collect()
+            empty_cache()
+
+    def engine_checks(self, engine) -> None:
+        self.results["ar_tok_s"] = {"ours": measure_engine.ours_decode_tok_s(engine)}
+        self.results["state_bytes_per_seq"] = measure_engine.state_bytes(engine)
+        self.results["spec_equals_ar"] = {
+            "batch1": measure_engine.spec_equals_ar(engine, None, 1),
+            "batch8": measure_engine.spec_equals_ar(
+                measure_engine.build_target(self.dirs["bf16"], 8, 512, self.device), None, 8
+            ),
+        }
+
+    def transformers_peer(self) -> None:
+        peer = measure_engine.transformers_decode_tok_s(self.dirs["bf16"], self.device)
+        self.results.setdefault("ar_tok_s", {})["transformers"] = peer["tok_s"]
+        self.results["ar_tok_s"]["fla_installed"] = peer["fla_installed"]
+
+    def end_to_end(self) -> None:
+        from launcher.service_processes import start_service
+
+        layout = self.args.e2e_layout
+        common = ["--device", self.device, "--max-sessions", "16", "--max-context-tokens", "8704"]
+        target = start_service(
+            [
+                "target",
+                "--model",
+                str(self.dirs[layout]),
+                "--drafter-model",
+                str(self.dirs["drafter"]),
+                *common,
+            ]
+        )
+        drafter = start_service(
+            [
+                "drafter",
+                "--model",
+                str(self.dirs["drafter"]),
+                "--target-model",
+                str(self.dirs[layout]),
+                *common,
+            ]
+        )
+        try:
+            asyncio.run(self._services(target.address, drafter.address))
+        finally:
+            target.stop()
+            drafter.stop()
+
+    async def _services(self, target_address: str, drafter_address: str) -> None:
+        from gateway.drafter_client import DrafterClient
+        from gateway.target_client import TargetClient
+
+        target, drafter = TargetClient(target_address), DrafterClient(drafter_address)
+        shared = await target.feature_buffer() if self.transport == "cuda_ipc" else None
+        vocab = self.vocab
+        run = measure_e2e.run_request
+        prompt = [(i * 7919) % self.vocab for i in range(512)]
+        reference = await run(target, None, prompt, self.args.new_tokens)
+        self.results["e2e"] = {}
+        for tau in TAUS:
+            result = await run(
+                target,
+                drafter,
+                prompt,
+                self.args.new_tokens,
+                reference.tokens,
+                tau,
+                vocab,
+                self.transport,
+                shared,
+            )
+            assert result.tokens == reference.tokens, f"τ={tau}: output differs from target-only"
+            self.results["e2e"][str(tau)] = measure_e2e.summarize(result)
+            progress(f"  e2e τ={tau}: {self.results['e2e'][str(tau)]}")
+            if tau == 6:
+                self.results["step_breakdown_ms"] = breakdown(result.times)
+        self.results["challenge_ms"] = {}
+        for prompt_len, new_tokens in self.challenge.items():
+            long_prompt = [(i * 104729) % self.vocab for i in range(prompt_len)]
+            oracle = await run(target, None, long_prompt, new_tokens)
+            result = await run(
+                target,
+                drafter,
+                long_prompt,
+                new_tokens,
+                oracle.tokens,
+                6,
+                vocab,
+                self.transport,
+                shared,
+            )
+            assert result.tokens == oracle.tokens
+            self.results["challenge_ms"][str(prompt_len)] = result.total_s * 1e3
+            progress(f"  challenge {prompt_len}: {result.total_s * 1e3:.0f} ms")
+        self.results["concurrency"] = {}
+        short = prompt[:128]
+        oracle = await run(target, None, short, 64)
+        for count in self.concurrency:
+            tok_s = await measure_e2e.concurrent_throughput(
+                target, drafter, short, oracle.tokens, 6, vocab, count, 64, self.transport, shared
+            )
+            self.results["concurrency"][str(count)] = {"tok_s": tok_s}
+            progress(f"  concurrency {count}: {tok_s:.1f} tok/s")
+        await target.close()
+        await drafter.close()
+
+    def in_process(self) -> None:
+        """The same loop and imposed acceptance without gRPC, for the overhead comparison."""
+        from drafter_service.engine import DrafterEngine
+        from drafter_service.model.loader import load_drafter
+        from drafter_service.session import InProcessDrafter
+        from target_service.session import InProcessTarget
+
+        layout = self.args.e2e_layout
+        taps = tuple(self.drafter_config["dflash_config"]["target_layer_ids"])
+        engine = measure_engine.build_target(self.dirs[layout], 2, 2048, self.device, taps)
+        drafter_engine = DrafterEngine(
+            load_drafter(self.dirs["drafter"], self.dirs[layout], torch.bfloat16, self.device),
+            2,
+            2048,
+        )
+        target = LocalTarget(InProcessTarget(engine))
+        drafter = LocalDrafter(InProcessDrafter(drafter_engine))
+        prompt = [(i * 7919) % self.vocab for i in range(512)]
+        vocab = self.vocab
+
+        async def go():
+            reference = await measure_e2e.run_request(target, None, prompt, self.args.new_tokens)
+            out = {}
+            for tau in TAUS:
+                result = await measure_e2e.run_request(
+                    target, drafter, prompt, self.args.new_tokens, reference.tokens, tau, vocab
+                )
+                out[str(tau)] = measure_e2e.summarize(result)
+            return out
+
+        self.results["in_process"] = asyncio.run(go())
+        target.inner.close()
+        drafter.inner.close()
+
+
+class LocalTarget:
+    """In-process target with the remote client's open() signature."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    async def open(self, sampling, transport="none", timeout_s=None):
+        return await self.inner.open(sampling)
+
+
+class LocalDrafter:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    async def open(self, transport="inline", shared=None, timeout_s=None):
+        return await self.inner.open()
+
+
+def breakdown(times: measure_e2e.StepTimes) -> dict:
+    """Median-free mean split of one step: target forward, drafter forward, the rest."""
+    steps = max(len(times.verify), 1)
+    verify_fwd = sum(f for _, f in times.verify) / steps / 1e6
+    draft_fwd = sum(f for _, f in times.draft) / steps / 1e6
+    wall = (sum(w for w, _ in times.verify) + sum(w for w, _ in times.draft)) / steps / 1e6
+    return {
+        "target forward": verify_fwd,
+        "drafter forward": draft_fwd,
+        "orchestration": wall - verify_fwd - draft_fwd,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--e2e-layout", default="int4_mlp", choices=LAYOUTS)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], help="sections to skip: transformers e2e in_process"
+    )
+    args = parser.parse_args()
+    if args.smoke:
+        args.new_tokens = min(args.new_tokens, 16)
+    if "bf16" not in args.layouts:
+        args.layouts.insert(0, "bf16")
+    logging.basicConfig(level=logging.WARNING)
+    suite = Suite(args)
+    suite.section("checkpoints", suite.checkpoints)
+    suite.section("layouts", suite.layouts)
+    for name, fn in (
+        ("transformers", suite.transformers_peer),
+        ("e2e", suite.end_to_end),
+        ("in_process", suite.in_process),
+    ):
+        if name not in args.skip:
+            suite.section(name, fn)
+    for path in write_results(suite.results, args.out_dir):
+        progress(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
