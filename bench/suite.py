@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
 import sys
 import tempfile
@@ -76,7 +77,13 @@ class Suite:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.results: dict = run_facts("python -m bench.suite " + " ".join(sys.argv[1:]))
-        self.results["errors"] = {}
+        if args.merge_into:
+            earlier = json.loads(args.merge_into.read_text())
+            earlier.pop("command", None)
+            self.results = earlier | {"command": self.results["command"] + " (merged)"}
+        if args.commit:
+            self.results["commit"] = args.commit
+        self.results.setdefault("errors", {})
         self.workdir = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
         self.dirs: dict[str, Path] = {}
         self.device = "cpu" if args.smoke else "cuda"
@@ -315,8 +322,15 @@ def main() -> None:
     parser.add_argument("--e2e-layout", default="int4_mlp", choices=LAYOUTS)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--commit", help="commit id to record (default: git rev-parse)")
     parser.add_argument(
-        "--skip", nargs="*", default=[], help="sections to skip: transformers e2e in_process"
+        "--merge-into",
+        type=Path,
+        help="add this run's sections to an earlier run's JSON (runs split "
+        "across several GPU commands)",
+    )
+    parser.add_argument(
+        "--skip", nargs="*", default=[], help="sections to skip: layouts transformers e2e in_process"
     )
     args = parser.parse_args()
     if args.smoke:

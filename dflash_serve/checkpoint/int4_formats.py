@@ -54,14 +54,14 @@ class PackedInt4Weight:
 
 def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
     """int32 [R, W] -> int64 [R, W, 8], nibble i at index i (the mask drops sign bits)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)
     return (words.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
 
 
 def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
     """int [R, C] in [0, 15] -> int32 [R, ceil(C/8)]: value c in nibble c % 8 of word c // 8."""
     padded = torch.nn.functional.pad(values.to(torch.int64), (0, -values.shape[1] % 8))
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
     words = (padded.reshape(values.shape[0], -1, NIBBLES_PER_WORD) << shifts).sum(-1)
     # A top nibble >= 8 overflows int32: keep the bits, as two's complement.
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

@@ -16,6 +16,7 @@ from dflash_serve.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "BOOL": 1}
 
 
 class TensorReader:
@@ -58,6 +59,14 @@ class TensorReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def nbytes(self, name: str) -> int:
+        """Stored size of a tensor, without reading it."""
+        info = self._handle(name).get_slice(name)
+        numel = 1
+        for size in info.get_shape():
+            numel *= size
+        return numel * DTYPE_BYTES[info.get_dtype()]
 
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor; a missing or corrupt tensor raises CheckpointError naming it."""
