@@ -56,7 +56,8 @@ class Int4Linear(nn.Module):
         self.in_features = packed.in_features
         self.out_features = packed.out_features
         self.packed = packed
-        self.register_buffer("weight", packed.dequantize(compute_dtype), persistent=False)
+        weight = packed.dequantize(compute_dtype).contiguous()  # AWQ unpacks transposed
+        self.register_buffer("weight", weight, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_stable_linear(x, self.weight)
