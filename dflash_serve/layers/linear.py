@@ -56,8 +56,7 @@ class Int4Linear(nn.Module):
         self.in_features = packed.in_features
         self.out_features = packed.out_features
         self.packed = packed
-        weight = packed.dequantize(compute_dtype).contiguous()  # AWQ unpacks transposed
-        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("weight", packed.dequantize(compute_dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_stable_linear(x, self.weight)
