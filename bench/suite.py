@@ -214,8 +214,7 @@ class Suite:
                 self.transport,
                 shared,
             )
-            assert result.tokens == reference.tokens, f"τ={tau}: output differs from target-only"
-            self.results["e2e"][str(tau)] = measure_e2e.summarize(result)
+            self.results["e2e"][str(tau)] = measure_e2e.summarize(result, reference.tokens)
             progress(f"  e2e τ={tau}: {self.results['e2e'][str(tau)]}")
             if tau == 6:
                 self.results["step_breakdown_ms"] = breakdown(result.times)
@@ -234,8 +233,10 @@ class Suite:
                 self.transport,
                 shared,
             )
-            assert result.tokens == oracle.tokens
             self.results["challenge_ms"][str(prompt_len)] = result.total_s * 1e3
+            self.results.setdefault("challenge_detail", {})[str(prompt_len)] = (
+                measure_e2e.summarize(result, oracle.tokens)
+            )
             progress(f"  challenge {prompt_len}: {result.total_s * 1e3:.0f} ms")
         self.results["concurrency"] = {}
         short = prompt[:128]
@@ -276,7 +277,7 @@ class Suite:
                 result = await measure_e2e.run_request(
                     target, drafter, prompt, self.args.new_tokens, reference.tokens, tau, vocab
                 )
-                out[str(tau)] = measure_e2e.summarize(result)
+                out[str(tau)] = measure_e2e.summarize(result, reference.tokens)
             return out
 
         self.results["in_process"] = asyncio.run(go())
@@ -330,7 +331,10 @@ def main() -> None:
         "across several GPU commands)",
     )
     parser.add_argument(
-        "--skip", nargs="*", default=[], help="sections to skip: layouts transformers e2e in_process"
+        "--skip",
+        nargs="*",
+        default=[],
+        help="sections to skip: layouts transformers e2e in_process",
     )
     args = parser.parse_args()
     if args.smoke:
@@ -340,8 +344,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     suite = Suite(args)
     suite.section("checkpoints", suite.checkpoints)
-    suite.section("layouts", suite.layouts)
     for name, fn in (
+        ("layouts", suite.layouts),
         ("transformers", suite.transformers_peer),
         ("e2e", suite.end_to_end),
         ("in_process", suite.in_process),
