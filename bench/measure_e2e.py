@@ -82,10 +82,12 @@ async def run_request(
     vocab=0,
     transport="inline",
     shared=None,
-    max_context=8192,
+    max_context=None,
 ):
     """One greedy request; with `drafter` None it is target-only (the continuation oracle)."""
     times = StepTimes()
+    if max_context is None:  # the session's own limit, as the gateway uses it
+        max_context = (await target.info()).max_context_tokens
     began = time.perf_counter()
     use_drafter = drafter is not None and tau is not None
     session = TimedTarget(

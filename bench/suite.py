@@ -97,6 +97,7 @@ class Suite:
     def section(self, name: str, fn) -> None:
         progress(f"{name} …")
         began = time.time()
+        self.results["errors"].pop(name, None)  # a section run again replaces its old error
         try:
             fn()
         except Exception as error:  # one failed section must not lose the others
@@ -146,7 +147,7 @@ class Suite:
             empty_cache()
 
     def engine_checks(self, engine) -> None:
-        self.results["ar_tok_s"] = {"ours": measure_engine.ours_decode_tok_s(engine)}
+        self.results.setdefault("ar_tok_s", {})["ours"] = measure_engine.ours_decode_tok_s(engine)
         self.results["state_bytes_per_seq"] = measure_engine.state_bytes(engine)
         self.results["spec_equals_ar"] = {
             "batch1": measure_engine.spec_equals_ar(engine, None, 1),
@@ -290,6 +291,11 @@ class LocalTarget:
 
     def __init__(self, inner) -> None:
         self.inner = inner
+
+    async def info(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(max_context_tokens=self.inner.engine.state.shape.max_len)
 
     async def open(self, sampling, transport="none", timeout_s=None):
         return await self.inner.open(sampling)

@@ -1,0 +1,51 @@
+"""The benchmark suite runs end to end (tiny shapes, CPU) and writes every promised key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_suite_smoke_run_writes_the_results_schema(tmp_path):
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.suite",
+            "--smoke",
+            "--out-dir",
+            str(tmp_path),
+            "--skip",
+            "transformers",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    results = json.loads((tmp_path / "latest.json").read_text())
+    assert results["errors"] == {}
+    for key in (
+        "gpu",
+        "date",
+        "commit",
+        "hbm_gbps",
+        "layouts",
+        "ar_tok_s",
+        "e2e",
+        "challenge_ms",
+        "concurrency",
+        "state_bytes_per_seq",
+        "spec_equals_ar",
+    ):
+        assert key in results, key
+    for layout in ("bf16", "int4_mlp", "int4_all"):
+        assert {"verify_ms", "floor_ms", "draft_ms"} <= set(results["layouts"][layout])
+    for tau in ("1", "3", "6", "10"):
+        assert {"tok_s", "ttft_ms", "tpot_ms", "overhead_frac"} <= set(results["e2e"][tau])
+        assert results["e2e"][tau]["equals_target_only"], "lossless on the CPU path"
+    assert results["spec_equals_ar"]["batch1"]["equal"]
+    assert results["spec_equals_ar"]["batch8"]["equal"]
+    assert (tmp_path / "latest.md").read_text().startswith("# Benchmark suite")
