@@ -20,6 +20,16 @@ class ServiceSettings:
     max_batch_size: int = 16
     max_wait_us: int = 200
     grace_period_s: float = 5.0
+    gpu_memory_fraction: float | None = None  # cap for this process on a shared GPU
+
+    def apply_memory_cap(self) -> None:
+        """Cap this process's share of the GPU (two services share one card)."""
+        if self.gpu_memory_fraction is not None and self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_per_process_memory_fraction(
+                self.gpu_memory_fraction, torch.device(self.device)
+            )
 
     @property
     def resolved_dtype(self) -> str:
@@ -36,6 +46,8 @@ class ServiceSettings:
             "max_wait_us": self.max_wait_us >= 0,
             "grace_period_s": self.grace_period_s >= 0,
             "dtype": self.dtype in DTYPE_CHOICES,
+            "gpu_memory_fraction": self.gpu_memory_fraction is None
+            or 0 < self.gpu_memory_fraction <= 1,
         }
         bad = {name: getattr(self, name) for name, ok in checks.items() if not ok}
         if bad:

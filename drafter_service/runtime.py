@@ -19,6 +19,7 @@ class DrafterRuntime:
 
     def __init__(self, config: DrafterServiceConfig) -> None:
         service = config.service
+        service.apply_memory_cap()
         model = load_drafter(
             config.model,
             config.target_model,

@@ -38,6 +38,9 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
         "--max-wait-us", type=int, default=200, help="how long a step waits for companions"
     )
     parser.add_argument("--grace-period-s", type=float, default=5.0, help="drain time on SIGTERM")
+    parser.add_argument(
+        "--gpu-memory-fraction", type=float, help="cap of this process's share of the GPU (0..1]"
+    )
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +129,7 @@ def service_settings(args: argparse.Namespace):
         max_batch_size=args.max_batch_size,
         max_wait_us=args.max_wait_us,
         grace_period_s=args.grace_period_s,
+        gpu_memory_fraction=args.gpu_memory_fraction,
     )
 
 

@@ -25,6 +25,7 @@ class TargetRuntime:
 
     def __init__(self, config: TargetServiceConfig) -> None:
         service = config.service
+        service.apply_memory_cap()
         model = load_target_model(
             config.model, getattr(torch, service.resolved_dtype), service.device, True
         )

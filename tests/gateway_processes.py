@@ -79,6 +79,7 @@ def start_gateway(target_address, drafter_address, tokenizer, *extra, timeout_s=
 class HttpResult:
     status: int
     text: str
+    headers: dict[str, str]
 
     def json(self):
         import json
@@ -93,9 +94,9 @@ def http(method: str, url: str, body: bytes | None = None, timeout_s: float = 60
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return HttpResult(response.status, response.read().decode())
+            return HttpResult(response.status, response.read().decode(), dict(response.headers))
     except urllib.error.HTTPError as error:
-        return HttpResult(error.code, error.read().decode())
+        return HttpResult(error.code, error.read().decode(), dict(error.headers))
 
 
 def wait_healthy(gateway: Gateway, timeout_s: float) -> None:

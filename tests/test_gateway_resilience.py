@@ -145,6 +145,7 @@ def test_full_queue_answers_503_with_retry_after(fresh_stack):
         )
         worker.join(60)
         assert second.status == 503
+        assert second.headers.get("Retry-After") == "1"
         assert second.json()["error"]["code"] == 503
         assert results["first"] == "[DONE]"
     finally:

@@ -116,6 +116,16 @@ def test_sixteen_concurrent_sessions_get_their_solo_output(services, reference):
         )
         client_t, client_d = TargetClient(target.address), DrafterClient(drafter.address)
         stats = await client_t.stats(), await client_d.stats()
+        # Ended streams free their sessions asynchronously: poll until both report zero.
+        for _ in range(100):
+            active = (
+                (await client_t.stats())["num_active_sessions"],
+                (await client_d.stats())["num_active_sessions"],
+            )
+            if active == (0, 0):
+                break
+            await asyncio.sleep(0.05)
+        stats[0]["num_active_sessions"], stats[1]["num_active_sessions"] = active
         await client_t.close()
         await client_d.close()
         return results, stats
