@@ -30,6 +30,8 @@ from dflash_serve.checkpoint.synthetic import (
     DFLASH_4B,
     LAYOUTS,
     QWEN35_4B_TEXT,
+    small_drafter_config,
+    small_target_config,
     write_drafter,
     write_target,
 )
@@ -39,34 +41,8 @@ TAUS = (1, 3, 6, 10)
 CHALLENGE = {64: 128, 2048: 256, 8192: 256}
 CONCURRENCY = (1, 4, 8, 16)
 # --smoke: the same code on the CPU with tiny shapes, to check the suite before GPU time.
-SMOKE_TARGET = dict(
-    QWEN35_4B_TEXT,
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-)
-SMOKE_DRAFTER = dict(
-    DFLASH_4B,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    layer_types=["sliding_attention", "full_attention"],
-    sliding_window=64,
-    vocab_size=512,
-    dflash_config={"target_layer_ids": [1, 3], "mask_token_id": 500},
-)
+SMOKE_TARGET = small_target_config(512, 511)
+SMOKE_DRAFTER = small_drafter_config(512, 500, sliding_window=64)
 
 
 def progress(message: str) -> None:

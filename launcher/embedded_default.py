@@ -13,57 +13,27 @@ from pathlib import Path
 
 from dflash_serve.checkpoint.byte_tokenizer import special_token_ids, write_byte_tokenizer
 from dflash_serve.checkpoint.synthetic import (
-    DFLASH_4B,
-    QWEN35_4B_TEXT,
+    small_drafter_config,
+    small_target_config,
     write_drafter,
     write_target,
 )
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_VERSION = "random-v1"
+EMBEDDED_VERSION = "random-v2"
 COMPLETE_MARKER = "COMPLETE"
 VOCAB_SIZE = 272  # 256 bytes + 6 special tokens, padded
 
 
 def embedded_target_config() -> dict:
     ids = special_token_ids()
-    return dict(
-        QWEN35_4B_TEXT,
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        max_position_embeddings=4096,
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-    )
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    return small_target_config(VOCAB_SIZE, eos, max_position_embeddings=4096)
 
 
 def embedded_drafter_config() -> dict:
-    return dict(
-        DFLASH_4B,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=256,
-        vocab_size=VOCAB_SIZE,
-        dflash_config={
-            "target_layer_ids": [1, 3],
-            "mask_token_id": special_token_ids()["<|mask|>"],
-        },
-    )
+    return small_drafter_config(VOCAB_SIZE, special_token_ids()["<|mask|>"], sliding_window=256)
 
 
 def embedded_model_pair(cache_root: Path) -> tuple[Path, Path]:

@@ -25,6 +25,11 @@ class ServiceProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def base_url(self) -> str:
+        """For an HTTP process (the gateway)."""
+        return f"http://{self.address}"
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -34,8 +39,11 @@ class ServiceProcess:
                 self.process.kill()
 
 
-def start_service(args: list[str], timeout_s: float = 600.0, echo: bool = False) -> ServiceProcess:
-    """Run `dflash-serve ARGS --port 0`, return once it reports SERVING on its health check.
+def start_service(
+    args: list[str], timeout_s: float = 600.0, echo: bool = False, wait_ready=None
+) -> ServiceProcess:
+    """Run `dflash-serve ARGS --port 0`, return once it is ready: by default once its gRPC
+    health check reports SERVING, else once `wait_ready(process, timeout_s)` returns.
 
     echo: copy the child's output to ours as it comes (progress while loading)."""
     process = subprocess.Popen(
@@ -63,7 +71,10 @@ def start_service(args: list[str], timeout_s: float = 600.0, echo: bool = False)
         process.kill()
         raise RuntimeError("service did not start:\n" + "".join(log))
     service = ServiceProcess(process, found[0], log)
-    wait_serving(service.address, timeout_s, service)
+    if wait_ready is None:
+        wait_serving(service.address, timeout_s, service)
+    else:
+        wait_ready(service, timeout_s)
     return service
 
 

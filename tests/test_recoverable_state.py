@@ -115,23 +115,6 @@ def test_batch_with_different_commits_stays_exact(model):
         assert torch.equal(final[i], engine.verify([solo_slots[i]], [probe[i]]).logits[0, 0])
 
 
-QWEN35_4B_TEXT = {
-    "model_type": "qwen3_5_text",
-    "vocab_size": 248320,
-    "hidden_size": 2560,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
-}
-
-
 def per_slot_bytes(state):
     """Bytes of every state tensor that belongs to one slot, by attribute name."""
     return {
@@ -142,6 +125,7 @@ def per_slot_bytes(state):
 
 
 def test_state_holds_at_most_two_recurrent_states_per_sequence():
+    from dflash_serve.checkpoint.synthetic import QWEN35_4B_TEXT
     from dflash_serve.qwen35_config import Qwen35TextConfig
 
     config = Qwen35TextConfig.from_dict(QWEN35_4B_TEXT)

@@ -7,8 +7,8 @@ import torch
 from transformers import Qwen3_5ForCausalLM
 
 from dflash_serve.checkpoint.synthetic import (
-    DFLASH_4B,
-    QWEN35_4B_TEXT,
+    small_drafter_config,
+    small_target_config,
     write_drafter,
     write_target,
 )
@@ -17,35 +17,8 @@ from target_service.engine import TargetEngine
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
 
-SMALL_TARGET = dict(
-    QWEN35_4B_TEXT,
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-    eos_token_id=255,
-)
-SMALL_DRAFTER = dict(
-    DFLASH_4B,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    layer_types=["sliding_attention", "full_attention"],
-    sliding_window=8,
-    vocab_size=256,
-    dflash_config={"target_layer_ids": [1, 3], "mask_token_id": 250},
-)
+SMALL_TARGET = small_target_config(256, 255)
+SMALL_DRAFTER = small_drafter_config(256, 250, sliding_window=8)
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 

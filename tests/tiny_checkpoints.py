@@ -137,35 +137,6 @@ def dflash_config_dict(
     return config
 
 
-def dflash_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a DFlash drafter checkpoint."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv, dim = (
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-        config["head_dim"],
-    )
-    taps = len(config["dflash_config"]["target_layer_ids"])
-    shapes = {"fc.weight": (hidden, taps * hidden), "hidden_norm.weight": (hidden,)}
-    shapes["norm.weight"] = (hidden,)
-    for i in range(config["num_hidden_layers"]):
-        p = f"layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (heads * dim, hidden),
-            p + "self_attn.k_proj.weight": (kv * dim, hidden),
-            p + "self_attn.v_proj.weight": (kv * dim, hidden),
-            p + "self_attn.o_proj.weight": (hidden, heads * dim),
-            p + "self_attn.q_norm.weight": (dim,),
-            p + "self_attn.k_norm.weight": (dim,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        }
-    return shapes
-
-
 def write_dflash(path: Path, seed: int = 0, **config_fields) -> Path:
     """A random DFlash drafter in z-lab's on-disk format: bf16 safetensors + config.json."""
     import json
@@ -175,7 +146,9 @@ def write_dflash(path: Path, seed: int = 0, **config_fields) -> Path:
     config = dflash_config_dict(**config_fields)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in dflash_tensor_shapes(config).items():
+    from dflash_serve.checkpoint.synthetic import drafter_tensor_shapes
+
+    for name, shape in drafter_tensor_shapes(config).items():
         noise = torch.randn(shape, generator=generator)
         scaled = noise / shape[-1] ** 0.5 * 1.5 if len(shape) == 2 else 1.0 + 0.3 * noise
         tensors[name] = scaled.to(torch.bfloat16)

@@ -61,6 +61,45 @@ DFLASH_4B = {
     "dflash_config": {"target_layer_ids": [1, 5, 9, 13, 17, 21, 25, 29], "mask_token_id": 248077},
 }
 
+
+def small_target_config(vocab_size: int, eos_token_id, **overrides) -> dict:
+    """A 4-layer, 128-wide Qwen3.5 (3 GDN + 1 attention): CPU smoke runs, demos, tests."""
+    return dict(
+        QWEN35_4B_TEXT,
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        **overrides,
+    )
+
+
+def small_drafter_config(vocab_size: int, mask_token_id: int, sliding_window: int) -> dict:
+    """A 2-layer DFlash drafter reading layers 1 and 3 of `small_target_config`."""
+    return dict(
+        DFLASH_4B,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=sliding_window,
+        vocab_size=vocab_size,
+        dflash_config={"target_layer_ids": [1, 3], "mask_token_id": mask_token_id},
+    )
+
+
 LAYOUTS = ("bf16", "int4_mlp", "int4_all")
 MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 LARGE_LINEARS = (
@@ -159,9 +198,8 @@ def write_target(path: Path, config: dict, layout: str, seed: int = 0, device: s
     return path
 
 
-def write_drafter(path: Path, config: dict, seed: int = 0, device: str = "cpu") -> Path:
-    """Write a random DFlash drafter in z-lab's layout (bf16, bare tensor names)."""
-    generator = torch.Generator(device=device).manual_seed(seed)
+def drafter_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names (z-lab layout, bare) and shapes of a DFlash drafter checkpoint."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv, dim = (config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
     taps = len(config["dflash_config"]["target_layer_ids"])
@@ -185,6 +223,13 @@ def write_drafter(path: Path, config: dict, seed: int = 0, device: str = "cpu") 
             p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
         }
+    return shapes
+
+
+def write_drafter(path: Path, config: dict, seed: int = 0, device: str = "cpu") -> Path:
+    """Write a random DFlash drafter in z-lab's layout (bf16, bare tensor names)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    shapes = drafter_tensor_shapes(config)
     tensors = {}
     for name, shape in shapes.items():
         noise = torch.randn(shape, generator=generator, device=device)
