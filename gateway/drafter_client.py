@@ -14,6 +14,7 @@ from dflash_serve.grpc_support.feature_messages import (
 )
 from dflash_serve.grpc_support.server import CHANNEL_OPTIONS
 from dflash_serve.service_info import DrafterInfo
+from gateway.target_client import read_event
 
 
 class DrafterClient:
@@ -53,8 +54,7 @@ class DrafterClient:
         if shared_buffer is not None:
             open_message.shared_buffer.CopyFrom(shared_buffer_message(shared_buffer))
         await call.write(drafter_pb2.RunSessionRequest(open=open_message))
-        response = await call.read()
-        return RemoteDrafterSession(call, response.opened.slot)
+        return RemoteDrafterSession(call, (await read_event(call, "opened")).slot)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -75,7 +75,7 @@ class RemoteDrafterSession:
         await self.call.write(drafter_pb2.RunSessionRequest(draft=draft))
         for chunk in chunk_messages(features):
             await self.call.write(drafter_pb2.RunSessionRequest(feature_chunk=chunk))
-        drafted = (await self.call.read()).drafted
+        drafted = await read_event(self.call, "drafted")
         self.last_forward_ns, self.last_batch_size = drafted.forward_ns, drafted.batch_size
         return list(drafted.draft_ids)
 

@@ -23,6 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import ApiError, bad_request
 from gateway.schemas import GenerationRequest
 from gateway.stop_strings import StopStringMatcher
+from gateway.target_client import TargetStreamEndedError
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,10 @@ class Finished:
     usage: Usage
 
 
-def target_unavailable(error: grpc.aio.AioRpcError) -> ApiError:
-    return ApiError(503, f"the target service failed: {error.code().name}: {error.details()}")
+def target_unavailable(error: Exception) -> ApiError:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return ApiError(503, f"the target service failed: {error.code().name}: {error.details()}")
+    return ApiError(503, f"the target service failed: {error}")
 
 
 class Generator:
@@ -141,7 +144,7 @@ class Generator:
                 finish_reason = FINISH_STOP if stopped else finish_reason
                 if text:
                     yield TextDelta(text)
-        except grpc.aio.AioRpcError as error:
+        except (grpc.aio.AioRpcError, TargetStreamEndedError) as error:
             raise target_unavailable(error) from error
         finally:
             await tokens.aclose()

@@ -120,6 +120,9 @@ class Routes:
                 return await self._whole(parsed, prompt_ids, fmt)
         except ApiError as error:
             return error_response(error)
+        except Exception as error:  # a bug must still answer in the API's error shape
+            logger.exception("internal error")
+            return error_response(ApiError(500, f"internal error: {type(error).__name__}"))
 
     async def _whole(self, parsed: GenerationRequest, prompt_ids, fmt) -> web.Response:
         texts = []
@@ -147,6 +150,11 @@ class Routes:
         except ApiError as error:
             logger.warning("stream ended by error: %s", error.message)
             await response.write(sse_error_event(error))
+        except ConnectionResetError:
+            raise  # the client left: nothing to report to
+        except Exception as error:  # headers are sent: report in-band, then [DONE]
+            logger.exception("internal error while streaming")
+            await response.write(sse_error_event(ApiError(500, f"internal error: {error}")))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

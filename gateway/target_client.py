@@ -20,6 +20,18 @@ from dflash_serve.service_info import TargetInfo
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 
 
+class TargetStreamEndedError(ConnectionError):
+    """The target closed a session stream without an error status (e.g. it shut down)."""
+
+
+async def read_event(call, field: str):
+    """The next response's `field`; a stream that ended early raises TargetStreamEndedError."""
+    response = await call.read()
+    if response is grpc.aio.EOF or response.WhichOneof("event") != field:
+        raise TargetStreamEndedError(f"the session stream ended while waiting for {field}")
+    return getattr(response, field)
+
+
 class TargetClient:
     def __init__(self, address: str, rpc_timeout_s: float = 10.0) -> None:
         self.address = address
@@ -65,8 +77,7 @@ class TargetClient:
             feature_transport=TRANSPORTS[transport],
         )
         await call.write(target_pb2.RunSessionRequest(open=open_message))
-        response = await call.read()
-        return RemoteTargetSession(call, response.opened.slot)
+        return RemoteTargetSession(call, (await read_event(call, "opened")).slot)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -89,12 +100,12 @@ class RemoteTargetSession:
 
     async def _step(self, request) -> TargetStep:
         await self.call.write(request)
-        result = (await self.call.read()).step
+        result = await read_event(self.call, "step")
         features = None
         if result.HasField("features"):
             ref = result.features
             count = ref.inline.num_chunks if ref.WhichOneof("location") == "inline" else 0
-            chunks = [(await self.call.read()).feature_chunk for _ in range(count)]
+            chunks = [await read_event(self.call, "feature_chunk") for _ in range(count)]
             features = features_from_message(ref, chunks)
         return TargetStep(
             token_ids=list(result.token_ids),
