@@ -130,7 +130,27 @@ def spec_equals_ar(
         next((i for i, (a, b) in enumerate(zip(p, s, strict=False)) if a != b), None)
         for p, s in zip(plain, speculative, strict=True)
     ]
-    return {"equal": plain == speculative, "first_mismatch_per_sequence": mismatches}
+    margins = [
+        None if i is None else logit_margin(engine, prompts[k], plain[k], speculative[k][i], i)
+        for k, i in enumerate(mismatches)
+    ]
+    return {
+        "equal": plain == speculative,
+        "first_mismatch_per_sequence": mismatches,
+        # plain logit of the plain token minus that of the speculative one, at the mismatch
+        "logit_margin_at_mismatch": margins,
+    }
+
+
+def logit_margin(engine: TargetEngine, prompt, plain_tokens, other_token: int, index: int):
+    """How close the plain path was to choosing `other_token` at output position `index`."""
+    slot = engine.open_sequence()
+    logits = engine.prefill(slot, prompt).last_logits
+    for token in plain_tokens[:index]:
+        logits = engine.verify([slot], [[token]]).logits[0, 0]
+        engine.commit(slot, 1)
+    engine.close_sequence(slot)
+    return float(logits[plain_tokens[index]] - logits[other_token])
 
 
 def state_bytes(engine: TargetEngine) -> dict:
