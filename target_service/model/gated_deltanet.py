@@ -13,6 +13,7 @@ from dflash_serve.layers.linear import Linear
 from dflash_serve.layers.norms import GatedRMSNorm
 from dflash_serve.qwen35_config import Qwen35TextConfig
 from target_service.model.causal_conv import causal_conv_with_state
+from target_service.model.chunked_delta_rule import chunked_gated_delta_rule
 from target_service.model.delta_rule import expand_key_heads, gated_delta_rule
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.state import TargetState
@@ -71,7 +72,9 @@ class GatedDeltaNet(nn.Module):
         a = self.in_proj_a(x).float()
         decay = -self.A_log.float().exp() * softplus(a + self.dt_bias.float())
         initial = state.recurrent_state[self.gdn_index, slots]
-        out, final = gated_delta_rule(q, k, v, decay, beta, initial)
+        # Verify/decode token by token (row-independent); prefill in chunks (fast).
+        rule = gated_delta_rule if batch.is_verify else chunked_gated_delta_rule
+        out, final = rule(q, k, v, decay, beta, initial)
         if batch.is_verify:
             self._record_block(state, slots, num_tokens, conv_inputs, k, v, decay, beta, final)
         else:
