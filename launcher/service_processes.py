@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 LISTENING = re.compile(r"listening on [\w.]+:(\d+)")
+# `up` also echoes its children's lines; only this one is the HTTP port.
+GATEWAY_LISTENING = re.compile(r"gateway listening on [\w.]+:(\d+)")
 
 
 @dataclass
@@ -40,7 +42,11 @@ class ServiceProcess:
 
 
 def start_service(
-    args: list[str], timeout_s: float = 600.0, echo: bool = False, wait_ready=None
+    args: list[str],
+    timeout_s: float = 600.0,
+    echo: bool = False,
+    wait_ready=None,
+    listening: re.Pattern = LISTENING,
 ) -> ServiceProcess:
     """Run `dflash-serve ARGS --port 0`, return once it is ready: by default once its gRPC
     health check reports SERVING, else once `wait_ready(process, timeout_s)` returns.
@@ -61,7 +67,7 @@ def start_service(
             log.append(line)
             if echo:
                 sys.stderr.write(line)
-            match = LISTENING.search(line)
+            match = listening.search(line)
             if match and not found:
                 found.append(int(match.group(1)))
                 port_found.set()

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from launcher.service_processes import ServiceProcess, start_service
+from launcher.service_processes import GATEWAY_LISTENING, ServiceProcess, start_service
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def start_gateway(target_address, drafter_address, tokenizer, *extra, timeout_s=
     args = ["gateway", "--target-address", target_address, "--tokenizer", str(tokenizer), *extra]
     if drafter_address:
         args += ["--drafter-address", drafter_address]
-    return start_service(args, timeout_s, wait_ready=wait_healthy)
+    return start_service(args, timeout_s, wait_ready=wait_healthy, listening=GATEWAY_LISTENING)
 
 
 def start_stack(target_dir, drafter_dir, *gateway_args):
