@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import asdict
 
@@ -14,8 +13,8 @@ from dflash_serve.grpc_support.feature_messages import (
     shared_buffer_from_message,
     transport_name,
 )
-from dflash_serve.grpc_support.model_servicer import ModelServicer
-from dflash_serve.grpc_support.server import GrpcServer, close_when_done
+from dflash_serve.grpc_support.model_servicer import ModelServicer, serve_model
+from dflash_serve.grpc_support.server import close_when_done
 from drafter_service.config import DrafterServiceConfig
 from drafter_service.runtime import DrafterRuntime
 
@@ -90,20 +89,12 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
 
 async def serve(config: DrafterServiceConfig) -> None:
-    """Listen at once (health NOT_SERVING), load the drafter, serve until SIGTERM."""
-    servicer = DrafterServicer()
-    server = GrpcServer(
-        config.service.host,
-        config.service.port,
-        [SERVICE_NAME],
-        lambda s: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, s),
+    """Run the drafter service until SIGTERM (health NOT_SERVING while loading)."""
+    await serve_model(
+        DrafterServicer(),
+        SERVICE_NAME,
+        drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
+        config.service,
+        lambda: DrafterRuntime(config),
+        config.model,
     )
-    settings = config.service
-    port = await server.start()
-    server.stop_on_signals(settings.grace_period_s)
-    logger.info("drafter service listening on %s:%d; loading %s", settings.host, port, config.model)
-    servicer.runtime = await asyncio.to_thread(DrafterRuntime, config)
-    await server.set_serving(True)
-    logger.info("drafter service ready on %s:%d", settings.host, port)
-    await server.wait_until_stopped()
-    servicer.runtime.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import asdict
 
@@ -17,8 +16,8 @@ from dflash_serve.grpc_support.feature_messages import (
     shared_buffer_message,
     transport_name,
 )
-from dflash_serve.grpc_support.model_servicer import ModelServicer
-from dflash_serve.grpc_support.server import GrpcServer, close_when_done
+from dflash_serve.grpc_support.model_servicer import ModelServicer, serve_model
+from dflash_serve.grpc_support.server import close_when_done
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 from target_service.config import TargetServiceConfig
 from target_service.runtime import TargetRuntime
@@ -112,20 +111,12 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
 
 
 async def serve(config: TargetServiceConfig) -> None:
-    """Listen at once (health NOT_SERVING), load the model, serve until SIGTERM."""
-    servicer = TargetServicer()
-    server = GrpcServer(
-        config.service.host,
-        config.service.port,
-        [SERVICE_NAME],
-        lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+    """Run the target service until SIGTERM (health NOT_SERVING while loading)."""
+    await serve_model(
+        TargetServicer(),
+        SERVICE_NAME,
+        target_pb2_grpc.add_TargetServiceServicer_to_server,
+        config.service,
+        lambda: TargetRuntime(config),
+        config.model,
     )
-    settings = config.service
-    port = await server.start()
-    server.stop_on_signals(settings.grace_period_s)
-    logger.info("target service listening on %s:%d; loading %s", settings.host, port, config.model)
-    servicer.runtime = await asyncio.to_thread(TargetRuntime, config)
-    await server.set_serving(True)
-    logger.info("target service ready on %s:%d", settings.host, port)
-    await server.wait_until_stopped()
-    servicer.runtime.close()
