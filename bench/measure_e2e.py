@@ -157,3 +157,42 @@ async def concurrent_throughput(
     )
     elapsed = time.perf_counter() - began
     return sum(len(r.tokens) for r in results) / elapsed
+
+
+def http_stream_request(base_url: str, prompt_ids: list[int], max_tokens: int) -> dict:
+    """One greedy streamed /v1/completions request: time to first content chunk and total."""
+    import json
+    import urllib.request
+
+    body = {
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        base_url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    began = time.perf_counter()
+    first, usage = None, None
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.perf_counter() - began
+    total = time.perf_counter() - began
+    return {
+        "ttft_s": first if first is not None else total,
+        "total_s": total,
+        "completion_tokens": usage["completion_tokens"] if usage else 0,
+    }

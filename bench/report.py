@@ -58,6 +58,14 @@ def markdown(r: dict) -> str:
             "AdaptFM workload at τ = 6 (prompt → new tokens, ms): "
             + ", ".join(f"{k}: {v:.0f}" for k, v in challenge.items()),
         ]
+    http = r.get("http", {})
+    if http:
+        lines += [
+            "",
+            f"HTTP gateway (target-only, streamed): {http['gateway_tok_s']} tok/s vs "
+            f"{http['direct_tok_s']} tok/s over gRPC directly; "
+            f"{http['http_overhead_ms_per_token']} ms per token added by the HTTP layer",
+        ]
     concurrency = r.get("concurrency", {})
     if concurrency:
         lines += [

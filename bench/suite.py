@@ -224,8 +224,41 @@ class Suite:
             )
             self.results["concurrency"][str(count)] = {"tok_s": tok_s}
             progress(f"  concurrency {count}: {tok_s:.1f} tok/s")
+        self.results["http"] = await self._http_layer(target, target_address, prompt)
         await target.close()
         await drafter.close()
+
+    async def _http_layer(self, target, target_address: str, prompt: list[int]) -> dict:
+        """Target-only requests through the HTTP gateway vs the same through the gRPC client:
+        what the HTTP layer (routes, SSE, detokenizing, stops) adds per token."""
+        from dflash_serve.checkpoint.byte_tokenizer import write_byte_tokenizer
+        from launcher.service_processes import GATEWAY_LISTENING, start_service, wait_healthy
+
+        model_dir = self.dirs[self.args.e2e_layout]
+        write_byte_tokenizer(model_dir)  # any tokenizer will do: ids outside it decode to ""
+        gateway = start_service(
+            ["gateway", "--target-address", target_address, "--tokenizer", str(model_dir)],
+            timeout_s=300,
+            wait_ready=wait_healthy,
+            listening=GATEWAY_LISTENING,
+        )
+        try:
+            new_tokens = self.args.new_tokens
+            direct = await measure_e2e.run_request(target, None, prompt, new_tokens)
+            http = await asyncio.to_thread(
+                measure_e2e.http_stream_request, gateway.base_url, prompt, new_tokens
+            )
+        finally:
+            gateway.stop()
+        assert http["completion_tokens"] == len(direct.tokens)
+        overhead_s = (http["total_s"] - direct.total_s) / max(len(direct.tokens), 1)
+        return {
+            "gateway_tok_s": round(http["completion_tokens"] / http["total_s"], 2),
+            "direct_tok_s": round(len(direct.tokens) / direct.total_s, 2),
+            "gateway_ttft_ms": round(http["ttft_s"] * 1e3, 2),
+            "direct_ttft_ms": round(direct.ttft_s * 1e3, 2),
+            "http_overhead_ms_per_token": round(overhead_s * 1e3, 3),
+        }
 
     def in_process(self) -> None:
         """The same loop and imposed acceptance without gRPC, for the overhead comparison."""

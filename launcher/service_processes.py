@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
@@ -96,3 +99,40 @@ def wait_serving(address: str, timeout_s: float, service: ServiceProcess | None 
                 return
             time.sleep(0.1)
     raise TimeoutError(f"{address} did not become SERVING within {timeout_s} s")
+
+
+@dataclass(frozen=True)
+class HttpResult:
+    status: int
+    text: str
+    headers: dict[str, str]
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout_s: float = 60) -> HttpResult:
+    """A plain HTTP request with the standard library (any status is returned, not raised)."""
+    request = urllib.request.Request(
+        url, data=body, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return HttpResult(response.status, response.read().decode(), dict(response.headers))
+    except urllib.error.HTTPError as error:
+        return HttpResult(error.code, error.read().decode(), dict(error.headers))
+
+
+def wait_healthy(gateway: ServiceProcess, timeout_s: float) -> None:
+    """Wait until an HTTP process (the gateway) answers 200 on /health."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if gateway.process.poll() is not None:
+            raise RuntimeError("gateway exited:\n" + "".join(gateway.log))
+        try:
+            if http("GET", gateway.base_url + "/health", timeout_s=5).status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("gateway never became healthy:\n" + "".join(gateway.log))

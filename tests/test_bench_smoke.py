@@ -48,4 +48,5 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
         assert results["e2e"][tau]["equals_target_only"], "lossless on the CPU path"
     assert results["spec_equals_ar"]["batch1"]["equal"]
     assert results["spec_equals_ar"]["batch8"]["equal"]
+    assert {"gateway_tok_s", "direct_tok_s", "http_overhead_ms_per_token"} <= set(results["http"])
     assert (tmp_path / "latest.md").read_text().startswith("# Benchmark suite")

@@ -11,11 +11,12 @@ from transformers import AutoTokenizer
 
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.types import SamplingParams
+from launcher.service_processes import http
 from target_service.engine import TargetEngine
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
 from target_service.session import InProcessTarget
-from tests.gateway_processes import http, start_stack
+from tests.gateway_processes import start_stack
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 40

@@ -14,7 +14,8 @@ import pytest
 
 from gateway.drafter_client import DrafterClient
 from gateway.target_client import TargetClient
-from tests.gateway_processes import http, start_gateway, start_stack
+from launcher.service_processes import http
+from tests.gateway_processes import start_gateway, start_stack
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 LONG = {"max_tokens": 200, "temperature": 0, "extra_body": {"ignore_eos": True}}

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from launcher.service_processes import GATEWAY_LISTENING, start_service
-from tests.gateway_processes import http, wait_healthy
+from launcher.service_processes import GATEWAY_LISTENING, http, start_service, wait_healthy
 
 
 def test_up_serves_the_embedded_pair(tmp_path, monkeypatch):
