@@ -8,10 +8,7 @@ import logging
 import sys
 
 from dflash_serve.errors import DflashError
-
-logger = logging.getLogger("dflash-serve")
-
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+from dflash_serve.service_settings import DTYPE_CHOICES
 
 
 def parse_ids(text: str) -> tuple[int, ...]:
@@ -29,7 +26,7 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
-        "--dtype", choices=DTYPES, default="auto", help="auto: bf16 on GPU, fp32 on CPU"
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bf16 on GPU, fp32 on CPU"
     )
     parser.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (slots)")
     parser.add_argument("--max-context-tokens", type=int, default=4096, help="tokens per session")
@@ -111,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect-target", help="load a checkpoint and print its shapes")
     inspect.add_argument("--model", required=True, help="checkpoint directory or hub id")
-    inspect.add_argument("--dtype", choices=DTYPES[1:], default="float32")
+    inspect.add_argument("--dtype", choices=DTYPE_CHOICES[1:], default="float32")
     inspect.add_argument("--device", default="cpu")
     return parser
 
