@@ -171,6 +171,11 @@ def random_tensor(name: str, shape, generator, device) -> torch.Tensor:
     return 0.1 * noise  # zero-centred norms: weight near 0 means scale near 1
 
 
+def stored_dtype(name: str) -> torch.dtype:
+    """bf16, except the GDN decay and output-norm parameters, kept fp32 as Qwen3.5 ships them."""
+    return torch.float32 if name.endswith(("A_log", "linear_attn.norm.weight")) else torch.bfloat16
+
+
 def is_quantized(name: str, layout: str) -> bool:
     modules = {"bf16": (), "int4_mlp": MLP, "int4_all": LARGE_LINEARS}[layout]
     return name.endswith(".weight") and any(f".{m}.weight" in name for m in modules)
@@ -189,8 +194,7 @@ def write_target(path: Path, config: dict, layout: str, seed: int = 0, device: s
             packed = pack_awq_gemm(tensor.float(), AWQ_GROUP)
             tensors.update({prefix + k: v.contiguous() for k, v in packed.items()})
         else:
-            keep_fp32 = name.endswith(("A_log", "linear_attn.norm.weight"))
-            tensors[name] = tensor.to(torch.float32 if keep_fp32 else torch.bfloat16)
+            tensors[name] = tensor.to(stored_dtype(name))
     full_config = dict(config, dtype="bfloat16")
     if layout != "bf16":
         full_config["quantization_config"] = awq_quantization_config(AWQ_GROUP)

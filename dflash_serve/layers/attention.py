@@ -50,11 +50,14 @@ def attend_masked(
     visible: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, H, D]; keys/values [L, Hkv, D]; visible bool [T, L]. Returns [T, H, D]."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    """q [..., T, H, D]; keys/values [..., L, Hkv, D]; visible bool [T, L] or [..., T, L].
+
+    Returns [..., T, H, D]; leading dims (sequences) are computed in one call.
+    """
+    group = q.shape[-2] // keys.shape[-2]
+    k = keys.repeat_interleave(group, dim=-2).transpose(-3, -2)  # [..., H, L, D]
+    v = values.repeat_interleave(group, dim=-2).transpose(-3, -2)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=visible.unsqueeze(0), scale=scale
+        q.transpose(-3, -2), k, v, attn_mask=visible.unsqueeze(-3), scale=scale
     )
-    return out.transpose(0, 1)
+    return out.transpose(-3, -2)

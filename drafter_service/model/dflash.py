@@ -99,7 +99,11 @@ class DFlashDrafter(nn.Module):
         for layer_id, layer in enumerate(self.layers):
             h = h + self._attend(layer_id, layer, layer.input_layernorm(h), cache, slots, cos_sin)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = row_stable_linear(self.norm(h[:, 1:]), self.head_weight).float()
+        return self.head_logits(h[:, 1:])
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Block hidden states [..., hidden] → fp32 draft logits [..., vocab]."""
+        logits = row_stable_linear(self.norm(h), self.head_weight).float()
         logits = logits * self.config.output_multiplier
         softcap = self.config.final_logit_softcapping
         if softcap:
@@ -124,7 +128,17 @@ class DFlashDrafter(nn.Module):
         """bool [T, start+T]: which keys (context, then block) each block query sees."""
         query_pos = torch.arange(start, start + num_tokens, device=device).unsqueeze(1)
         key_pos = torch.arange(start + num_tokens, device=device).unsqueeze(0)
-        visible = torch.ones(num_tokens, start + num_tokens, dtype=torch.bool, device=device)
+        return self.visible_by_position(layer_id, query_pos, key_pos)
+
+    def visible_by_position(
+        self, layer_id: int, query_pos: torch.Tensor, key_pos: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's causal and window rules on broadcastable absolute positions."""
+        visible = torch.ones(
+            torch.broadcast_shapes(query_pos.shape, key_pos.shape),
+            dtype=torch.bool,
+            device=query_pos.device,
+        )
         is_causal = self.config.layer_is_causal(layer_id)
         if is_causal:
             visible &= key_pos <= query_pos

@@ -46,13 +46,14 @@ def chunked_gated_delta_rule(
     causal = torch.ones(chunk_tokens, chunk_tokens, dtype=torch.bool, device=q.device).tril()
     decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
     k_beta = k * beta.unsqueeze(-1)
-    # T = (I + strictly-lower(β_i k_i·k_j decay_ij))^-1, by forward substitution.
+    # T = (I + strictly-lower(β_i k_i·k_j decay_ij))^-1: one unit-triangular solve, out of
+    # place, so the same code also trains (autograd) the embedded model.
     strictly_lower = causal.tril(diagonal=-1)
-    lower = (-(k_beta @ k.transpose(-1, -2)) * decay).masked_fill(~strictly_lower, 0.0)
-    for i in range(1, chunk_tokens):
-        row = lower[..., i, :i] + (lower[..., i, :, None] * lower[..., :, :i]).sum(-2)
-        lower[..., i, :i] = row
-    solve = lower + torch.eye(chunk_tokens, device=q.device)
+    lower = ((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(~strictly_lower, 0.0)
+    eye = torch.eye(chunk_tokens, device=q.device)
+    solve = torch.linalg.solve_triangular(
+        lower + eye, eye.expand_as(lower), upper=False, unitriangular=True
+    )
     new_values = solve @ (v * beta.unsqueeze(-1))  # u before the state's contribution
     key_decayed = solve @ (k_beta * g_cum.exp().unsqueeze(-1))
     outputs = torch.empty_like(v)

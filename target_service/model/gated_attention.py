@@ -50,6 +50,31 @@ class GatedAttention(nn.Module):
         q = apply_rotary(self.q_norm(q), *cos_sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).reshape(kv_shape)), *cos_sin)
         v = self.v_proj(x).reshape(kv_shape)
+        if not batch.is_verify and len(set(batch.start_positions)) == 1:
+            attn = self._prefill_together(q, k, v, batch, state)
+        else:
+            attn = self._attend_each_sequence(q, k, v, batch, state)
+        return self.o_proj(attn * sigmoid(gate.reshape(num_seqs, num_tokens, -1)))
+
+    def _prefill_together(self, q, k, v, batch: ForwardBatch, state: TargetState):
+        """Sequences at the same start position (training, equal-length prompts): one call."""
+        num_seqs, num_tokens = q.shape[:2]
+        start = batch.start_positions[0]
+        end = start + num_tokens
+        slots = batch.slot_index(q.device)
+        key_cache = state.key_cache[self.attn_index]
+        value_cache = state.value_cache[self.attn_index]
+        key_cache[slots, start:end] = k.to(key_cache.dtype)
+        value_cache[slots, start:end] = v.to(value_cache.dtype)
+        keys, values = key_cache[slots, :end], value_cache[slots, :end]
+        key_pos = torch.arange(end, device=q.device)
+        query_pos = torch.arange(start, end, device=q.device)
+        visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        out = attend_masked(q, keys, values, visible, self.scale)
+        return out.reshape(num_seqs, num_tokens, -1)
+
+    def _attend_each_sequence(self, q, k, v, batch: ForwardBatch, state: TargetState):
+        num_seqs, num_tokens = q.shape[:2]
         outputs = []
         for b, (slot, start) in enumerate(zip(batch.slots, batch.start_positions, strict=True)):
             end = start + num_tokens
@@ -58,8 +83,7 @@ class GatedAttention(nn.Module):
             keys[start:end] = k[b]
             values[start:end] = v[b]
             outputs.append(self._attend(q[b], keys[:end], values[:end], start, batch.is_verify))
-        attn = torch.stack(outputs).reshape(num_seqs, num_tokens, -1)
-        return self.o_proj(attn * sigmoid(gate.reshape(num_seqs, num_tokens, -1)))
+        return torch.stack(outputs).reshape(num_seqs, num_tokens, -1)
 
     def _attend(self, q, keys, values, start: int, is_verify: bool) -> torch.Tensor:
         num_tokens = q.shape[0]

@@ -79,7 +79,8 @@ class GatedDeltaNet(nn.Module):
             self._record_block(state, slots, num_tokens, conv_inputs, k, v, decay, beta, final)
         else:
             state.recurrent_state[self.gdn_index, slots] = final
-            state.conv_state[self.gdn_index, slots] = conv_state
+            # (under autocast, training, activations are bf16 while the state is fp32)
+            state.conv_state[self.gdn_index, slots] = conv_state.to(state.conv_state.dtype)
         z = self.in_proj_z(x).reshape(num_seqs, num_tokens, -1, self.value_head_dim)
         out = self.norm(out.to(x.dtype), z)
         return self.out_proj(out.reshape(num_seqs, num_tokens, -1))
