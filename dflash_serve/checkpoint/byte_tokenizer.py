@@ -17,6 +17,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 NUM_BYTE_TOKENS = 256
 # Ids after the special tokens: the drafter's MASK placeholder, never produced by the text.
 MASK_TOKEN = "<|mask|>"
+ALL_SPECIAL_TOKENS = (*SPECIAL_TOKENS, MASK_TOKEN)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -31,8 +32,7 @@ CHAT_TEMPLATE = (
 
 
 def special_token_ids() -> dict[str, int]:
-    names = (*SPECIAL_TOKENS, MASK_TOKEN)
-    return {name: NUM_BYTE_TOKENS + i for i, name in enumerate(names)}
+    return {name: NUM_BYTE_TOKENS + i for i, name in enumerate(ALL_SPECIAL_TOKENS)}
 
 
 def write_byte_tokenizer(model_dir: Path) -> dict[str, int]:
@@ -43,8 +43,22 @@ def write_byte_tokenizer(model_dir: Path) -> dict[str, int]:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    specials = special_token_ids()
-    tokenizer.add_special_tokens(list(specials))
+    tokenizer.add_special_tokens(list(ALL_SPECIAL_TOKENS))
+    specials = write_tokenizer_files(tokenizer, model_dir)
+    assert specials == special_token_ids(), specials
+    return specials
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, model_dir: Path) -> dict[str, int]:
+    """Write any tokenizer with our special tokens as an AutoTokenizer-loadable directory.
+
+    Writes tokenizer.json, tokenizer_config.json and chat_template.jinja (CHAT_TEMPLATE) into
+    model_dir and returns the id of each token in ALL_SPECIAL_TOKENS.
+    """
+    specials = {name: tokenizer.token_to_id(name) for name in ALL_SPECIAL_TOKENS}
+    missing = [name for name, token_id in specials.items() if token_id is None]
+    if missing:
+        raise ValueError(f"tokenizer must contain all of {ALL_SPECIAL_TOKENS}, but lacks {missing}")
     model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(model_dir / "tokenizer.json"))
     config = {

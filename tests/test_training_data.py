@@ -1,0 +1,172 @@
+"""The training corpus and tokenizer against independent oracles.
+
+The docstrings are checked against `inspect.getdoc` of the imported object, the chat rendering
+against the chat template as transformers' AutoTokenizer applies it from a written directory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import textwrap
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer
+
+from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS, SPECIAL_TOKENS
+from training.corpus import (
+    MAX_ANSWER_CHARS,
+    MIN_ANSWER_CHARS,
+    SKIPPED_DIRS,
+    build_corpus,
+    cap_text,
+    load_corpus,
+    prompt_text,
+    render_chat,
+    save_corpus,
+)
+from training.tokenizer import train_tokenizer, write_tokenizer
+
+NON_ASCII = "naïve — 日本語 🙂 Ünïcödé\tnull\x00 end"
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return build_corpus(seed=0)
+
+
+@pytest.fixture(scope="module")
+def conversations(corpus):
+    return {c.name: c for c in (*corpus.train, *corpus.held_out)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    return train_tokenizer(render_chat(c) for c in corpus.train)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tokenizer, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("trained_tokenizer")
+    return model_dir, write_tokenizer(tokenizer, model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tokenizer_dir[0])
+
+
+def test_corpus_is_deterministic(corpus):
+    assert build_corpus(seed=0) == corpus
+
+
+def test_split_depends_on_names_only(corpus):
+    subset = build_corpus(seed=1, modules={"json", "textwrap"})
+    assert {c.name for c in subset.held_out} <= {c.name for c in corpus.held_out}
+    assert {c.name for c in subset.train} <= {c.name for c in corpus.train}
+    by_name = {c.name: c for c in corpus.train}
+    questions_changed = [c for c in subset.train if c.question != by_name[c.name].question]
+    assert questions_changed, "seed 1 chose the same question template for every item"
+
+
+def test_held_out_is_disjoint_and_about_three_percent(corpus):
+    train_names = [c.name for c in corpus.train]
+    held_out_names = [c.name for c in corpus.held_out]
+    assert len(set(train_names)) == len(train_names)
+    assert set(train_names).isdisjoint(held_out_names)
+    assert 0.01 < len(held_out_names) / (len(train_names) + len(held_out_names)) < 0.06
+
+
+def test_known_docstrings_match_the_imported_objects(conversations):
+    dedent = conversations["textwrap.dedent"]
+    assert "`textwrap.dedent`" in dedent.question
+    assert dedent.answer == inspect.getdoc(textwrap.dedent)
+    decode = conversations["json.decoder.JSONDecoder.decode"]
+    assert decode.answer == inspect.getdoc(json.JSONDecoder.decode)
+    assert "module" in conversations["json"].question
+    assert conversations["topic:assert"].answer.startswith('The "assert" statement')
+    assert "`assert`" in conversations["topic:assert"].question
+
+
+def test_skips_private_test_and_short_items(conversations, corpus):
+    for name, conversation in conversations.items():
+        parts = name.removeprefix("topic:").split(".")
+        assert not any(part.startswith("_") for part in parts), name
+        assert SKIPPED_DIRS.isdisjoint(parts[:-1]), name
+        assert MIN_ANSWER_CHARS <= len(conversation.answer) <= MAX_ANSWER_CHARS, name
+    assert "unittest.test" not in conversations
+    assert "idlelib.idle_test" not in conversations
+    assert "CPython 3." in corpus.source and "PSF-2.0" in corpus.source
+
+
+def test_cap_text_cuts_at_the_last_boundary_that_keeps_half():
+    paragraphs = "first paragraph line\nsecond line\n\nnext paragraph words words"
+    assert cap_text(paragraphs, 40) == "first paragraph line\nsecond line"
+    assert cap_text("one line\n" + "word " * 20, 40) == "one line\n" + "word " * 5 + "word"
+    assert cap_text("x" * 50, 40) == "x" * 40
+    assert cap_text("short", 40) == "short"
+
+
+def test_save_and_load_round_trip(corpus, tmp_path):
+    path = tmp_path / "corpus.json"
+    save_corpus(corpus, path)
+    assert load_corpus(path) == corpus
+
+
+def test_render_chat_is_the_chat_template_plus_answer(corpus, hf_tokenizer):
+    for conversation in (*corpus.train[:20], *corpus.held_out[:5]):
+        prompt = hf_tokenizer.apply_chat_template(
+            [{"role": "user", "content": conversation.question}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=False,
+        )
+        assert prompt_text(conversation.question) == prompt
+        assert render_chat(conversation) == prompt + conversation.answer + "<|im_end|>\n"
+
+
+def test_tokenizer_round_trips_any_text(corpus, tokenizer, hf_tokenizer):
+    samples = [render_chat(c) for c in corpus.train[::100]] + [NON_ASCII]
+    for text in samples:
+        ids = tokenizer.encode(text).ids
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+        hf_ids = hf_tokenizer.encode(text, add_special_tokens=False)
+        assert hf_ids == ids
+        assert hf_tokenizer.decode(hf_ids, skip_special_tokens=False) == text
+
+
+def test_special_tokens_have_fixed_single_ids(tokenizer, tokenizer_dir, hf_tokenizer):
+    _, special_ids = tokenizer_dir
+    assert special_ids == {name: i for i, name in enumerate(ALL_SPECIAL_TOKENS)}
+    for name, token_id in special_ids.items():
+        assert tokenizer.encode(name).ids == [token_id]
+        assert hf_tokenizer.convert_tokens_to_ids(name) == token_id
+    assert hf_tokenizer.eos_token == "<|im_end|>"
+    assert hf_tokenizer.pad_token == "<|endoftext|>"
+
+
+def test_tokenizer_vocab_layout_and_determinism(corpus, tokenizer):
+    assert tokenizer.get_vocab_size() == 4096
+    num_specials = len(ALL_SPECIAL_TOKENS)
+    byte_symbols = {tokenizer.id_to_token(i) for i in range(num_specials, num_specials + 256)}
+    assert byte_symbols == set(pre_tokenizers.ByteLevel.alphabet())
+    learned = [tokenizer.id_to_token(i) for i in range(num_specials + 256, 4096)]
+    assert not any("<|" in token or "think>" in token for token in learned)
+    again = train_tokenizer(render_chat(c) for c in corpus.train)
+    assert again.to_str() == tokenizer.to_str()
+
+
+def test_tokenizer_compresses_held_out_text(corpus, tokenizer):
+    texts = [render_chat(c) for c in corpus.held_out]
+    num_bytes = sum(len(text.encode("utf-8")) for text in texts)
+    num_tokens = sum(len(encoding.ids) for encoding in tokenizer.encode_batch(texts))
+    assert num_tokens / num_bytes < 0.45
+
+
+def test_write_tokenizer_names_missing_special_tokens(tmp_path):
+    without_mask = Tokenizer(models.BPE())
+    without_mask.add_special_tokens(list(SPECIAL_TOKENS))
+    with pytest.raises(ValueError, match=re.escape(repr(["<|mask|>"]))):
+        write_tokenizer(without_mask, tmp_path)

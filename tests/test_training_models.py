@@ -1,0 +1,155 @@
+"""Training the embedded pair uses the serving models: check each training path against them."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_serve.checkpoint.synthetic import (
+    small_drafter_config,
+    small_target_config,
+    stored_dtype,
+)
+from drafter_service.model.context_cache import DrafterContextCache
+from drafter_service.model.loader import load_drafter
+from target_service.engine import TargetEngine
+from target_service.model.chunked_delta_rule import chunked_gated_delta_rule
+from target_service.model.delta_rule import gated_delta_rule
+from target_service.model.loader import load_target_model
+from target_service.model.state import StateShape
+from training.drafter_blocks import block_logits, block_loss, sample_anchors
+from training.export import save_drafter, save_target
+from training.generate import generate_greedy
+from training.schedule import OptimSettings
+from training.target_lm import forward_rows, init_target
+from training.train_drafter import init_drafter
+from training.train_target import TargetTraining, train_target
+
+VOCAB = 64
+EOS = 63
+MASK = 62
+TARGET = small_target_config(VOCAB, [EOS])
+DRAFTER = small_drafter_config(VOCAB, MASK, sliding_window=5)
+
+
+def test_chunked_rule_gradients_match_the_token_by_token_recurrence():
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 37, 2, 8)
+    q = torch.randn(shape, generator=gen) * 8**-0.5
+    k = torch.nn.functional.normalize(torch.randn(shape, generator=gen), dim=-1)
+    v = torch.randn(2, 37, 2, 6, generator=gen)
+    g = -torch.rand(2, 37, 2, generator=gen)
+    beta = torch.rand(2, 37, 2, generator=gen)
+    state = torch.randn(2, 2, 8, 6, generator=gen)
+    grads = []
+    for rule in (gated_delta_rule, lambda *a: chunked_gated_delta_rule(*a, chunk_tokens=16)):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, state)]
+        out, final = rule(*inputs)
+        (out.square().sum() + final.square().sum()).backward()
+        grads.append([x.grad for x in inputs])
+    for chunked, reference in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(chunked, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_target_training_lowers_the_loss_and_exports_a_servable_checkpoint(tmp_path):
+    model = init_target(TARGET, seed=0, device="cpu")
+    pattern = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, EOS] for _ in range(40)]
+    settings = TargetTraining(
+        batch_rows=4,
+        row_tokens=24,
+        budget_s=0,
+        num_steps=30,
+        optim=OptimSettings(peak_lr=3e-3, warmup_steps=5),
+        seed=0,
+    )
+    report = train_target(model, pattern, settings, log=lambda _: None)
+    assert report["num_steps"] == 30
+    assert report["loss_every_100"][0] > 3.5  # about ln(64) at the start
+    assert report["final_loss"] < 1.0
+
+    save_target(model, TARGET, tmp_path / "target")
+    served = load_target_model(tmp_path / "target", torch.float32, "cpu")
+    for name, parameter in model.named_parameters():  # as the checkpoint stores them
+        parameter.data = parameter.data.to(stored_dtype("model." + name)).float()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        expected, _ = forward_rows(model, ids)
+        actual, _ = forward_rows(served, ids)
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+
+
+def test_generate_greedy_equals_the_engines_target_only_decoding(tmp_path):
+    model = init_target(TARGET, seed=3, device="cpu").eval()
+    prompts = [[5, 9, 11], [7, 1, 2], [30, 31], [4, 4, 4, 4, 4]]
+    generated = generate_greedy(model, prompts, 12, [EOS], max_batch=2, log=lambda _: None)
+    engine = TargetEngine(model, StateShape(max_slots=1, max_len=64))
+    for prompt, tokens in zip(prompts, generated, strict=True):
+        slot = engine.open_sequence()
+        expected = [int(engine.prefill(slot, prompt).last_logits.argmax())]
+        while len(expected) < 12 and expected[-1] != EOS:
+            logits = engine.verify([slot], [[expected[-1]]]).logits
+            engine.commit(slot, 1)
+            expected.append(int(logits[0, -1].argmax()))
+        engine.close_sequence(slot)
+        assert tokens == expected
+
+
+def _trained_pair(tmp_path):
+    target = init_target(TARGET, seed=1, device="cpu")
+    save_target(target, TARGET, tmp_path / "target")
+    target = load_target_model(tmp_path / "target", torch.float32, "cpu")
+    drafter = init_drafter(DRAFTER, tmp_path / "target", seed=2, device="cpu")
+    return target, drafter
+
+
+def test_packed_training_blocks_equal_the_serving_drafter(tmp_path):
+    """Every packed block's logits equal a draft_logits call with the context before it."""
+    target, drafter = _trained_pair(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    token_ids = torch.randint(0, 60, (2, 40), generator=gen)
+    anchors = torch.tensor([[3, 17, 30], [9, 9, 24]])  # a repeated anchor too
+    taps_ids = drafter.config.target_layer_ids
+    with torch.no_grad():
+        _, taps = forward_rows(target, token_ids, taps_ids)
+        packed = block_logits(drafter, taps, token_ids, anchors)
+        for b in range(2):
+            for a, anchor in enumerate(anchors[b].tolist()):
+                cache = DrafterContextCache(drafter.config, 1, 64, torch.float32, "cpu")
+                drafter.add_context(cache, 0, taps[b, :anchor])
+                block = torch.full((1, 16), MASK)
+                block[0, 0] = token_ids[b, anchor]
+                serving = drafter.draft_logits(cache, [0], block)
+                torch.testing.assert_close(packed[b, a], serving[0], atol=2e-5, rtol=2e-5)
+
+
+def test_block_loss_labels_are_the_tokens_at_anchor_plus_k(tmp_path):
+    token_ids = torch.arange(20).unsqueeze(0)
+    anchors = torch.tensor([[2, 15]])
+    lengths = torch.tensor([20])
+    logits = torch.full((1, 2, 15, VOCAB), -30.0)
+    for a, anchor in enumerate(anchors[0].tolist()):
+        for k in range(1, 16):
+            if anchor + k < 20:
+                logits[0, a, k - 1, anchor + k] = 30.0  # a perfect drafter
+    loss, accuracy = block_loss(logits, token_ids, anchors, lengths)
+    assert loss.item() < 1e-6
+    assert accuracy.tolist() == [1.0] * 15  # judged on the block whose labels all exist
+    logits[0, 0, 4, 40] = 60.0  # slot 5 of the first block now wrong: later slots do not count
+    _, accuracy = block_loss(logits, token_ids, anchors, lengths)
+    assert accuracy.tolist() == [1.0] * 4 + [0.0] * 11
+
+
+def test_anchors_leave_room_for_a_label():
+    gen = torch.Generator().manual_seed(0)
+    first = torch.tensor([5, 0])
+    lengths = torch.tensor([9, 3])
+    anchors = sample_anchors(first, lengths, 500, gen)
+    assert anchors[0].min() >= 5 and anchors[0].max() <= 7
+    assert anchors[1].min() >= 0 and anchors[1].max() <= 1
+
+
+def test_exported_drafter_loads_with_identical_weights(tmp_path):
+    _, drafter = _trained_pair(tmp_path)
+    save_drafter(drafter, DRAFTER, tmp_path / "drafter")
+    loaded = load_drafter(tmp_path / "drafter", tmp_path / "target", torch.float32, "cpu")
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16).float()), name

@@ -1,0 +1,1 @@
+"""Data for training the small embedded model pair: a chat corpus and its tokenizer."""

@@ -1,0 +1,250 @@
+"""An openly licensed chat corpus: the docstrings and reference topics of the running CPython.
+
+The standard library this interpreter ships (PSF-2.0) is read as source with `ast`, never
+imported, so building the corpus runs no module code. Each documented public module, class,
+function and method, and each `pydoc_data` language-reference topic, becomes one
+question/answer conversation whose answer is the (cleaned, capped) documentation text.
+
+    python -m training.corpus --out corpus.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import dataclasses
+import hashlib
+import json
+import random
+import sys
+import sysconfig
+from collections.abc import Collection, Iterator
+from pathlib import Path
+
+MIN_ANSWER_CHARS = 40
+MAX_ANSWER_CHARS = 1200
+# Fraction of items held out for evaluation, chosen by a hash of the name (stable across runs).
+HELD_OUT_FRACTION = 0.03
+SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
+TOPICS_FILE = Path("pydoc_data") / "topics.py"
+
+OBJECT_QUESTIONS = (
+    "What does `{}` do?",
+    "Explain `{}`.",
+    "How do I use `{}`?",
+    "What is `{}` for?",
+)
+QUESTION_TEMPLATES = {
+    "module": ("Tell me about the `{}` module.", "What is the `{}` module for?"),
+    "class": OBJECT_QUESTIONS,
+    "function": OBJECT_QUESTIONS,
+    "method": OBJECT_QUESTIONS,
+    "topic": (
+        "Explain the Python topic `{}`.",
+        "What does the Python language reference say about `{}`?",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Documented:
+    """One piece of documentation: `name` is unique, `kind` a key of QUESTION_TEMPLATES."""
+
+    name: str
+    kind: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    name: str
+    question: str
+    answer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    train: tuple[Conversation, ...]
+    held_out: tuple[Conversation, ...]
+    source: str
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_source() -> str:
+    version = ".".join(str(part) for part in sys.version_info[:3])
+    return f"CPython {version} standard library docstrings and pydoc_data topics (PSF-2.0)"
+
+
+def build_corpus(seed: int = 0, modules: Collection[str] | None = None) -> Corpus:
+    """The corpus of this interpreter's standard library; deterministic for a given seed.
+
+    `modules` restricts the docstrings to those top-level modules/packages (tests use it to
+    stay fast); the reference topics are always included.
+    """
+    return corpus_from(collect_documentation(stdlib_dir(), modules), seed)
+
+
+def collect_documentation(root: Path, modules: Collection[str] | None = None) -> list[Documented]:
+    """Docstrings of the modules under `root` (sorted by path), then the reference topics."""
+    documented = []
+    for module_name, path in module_files(root):
+        if modules is None or module_name.split(".")[0] in modules:
+            documented.extend(module_docstrings(module_name, path))
+    documented.extend(reference_topics(root / TOPICS_FILE))
+    return documented
+
+
+def corpus_from(documented: list[Documented], seed: int) -> Corpus:
+    conversations = [to_conversation(item, seed) for item in documented]
+    names = [conversation.name for conversation in conversations]
+    assert len(set(names)) == len(names), "documentation names must be unique"
+    return Corpus(
+        train=tuple(c for c in conversations if not is_held_out(c.name)),
+        held_out=tuple(c for c in conversations if is_held_out(c.name)),
+        source=corpus_source(),
+    )
+
+
+def module_files(root: Path) -> list[tuple[str, Path]]:
+    """(dotted module name, path) of every public, non-test module under root, sorted by path."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if any(part in SKIPPED_DIRS for part in parts[:-1]):
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts and all(part.isidentifier() and not part.startswith("_") for part in parts):
+            found.append((".".join(parts), path))
+    return found
+
+
+def module_docstrings(module_name: str, path: Path) -> list[Documented]:
+    """The module's docstring and those of its public classes, functions and methods."""
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError):
+        return []
+    documented = list(_documented_in(tree, module_name, "module"))
+    first_by_name = {}
+    for item in documented:
+        # A property's setter, or a definition repeated in both branches of an `if`: keep one.
+        first_by_name.setdefault(item.name, item)
+    return list(first_by_name.values())
+
+
+def _documented_in(node: ast.AST, name: str, kind: str) -> Iterator[Documented]:
+    text = ast.get_docstring(node, clean=True)
+    if text is not None and len(text.strip()) >= MIN_ANSWER_CHARS:
+        yield Documented(name, kind, cap_text(text.strip()))
+    if kind not in ("module", "class"):
+        return
+    for child in node.body:
+        if isinstance(child, ast.ClassDef):
+            child_kind = "class"
+        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            child_kind = "method" if kind == "class" else "function"
+        else:
+            continue
+        if not child.name.startswith("_"):
+            yield from _documented_in(child, f"{name}.{child.name}", child_kind)
+
+
+def reference_topics(path: Path) -> list[Documented]:
+    """The `topics` dict of pydoc_data/topics.py, read as a literal (the file is not imported)."""
+    tree = ast.parse(path.read_bytes(), filename=str(path))
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign) and [
+            target.id for target in statement.targets if isinstance(target, ast.Name)
+        ] == ["topics"]:
+            topics = ast.literal_eval(statement.value)
+            break
+    else:
+        raise ValueError(f"{path} has no `topics = {{...}}` assignment")
+    return [
+        Documented(f"topic:{topic}", "topic", cap_text(text.strip()))
+        for topic, text in sorted(topics.items())
+        if len(text.strip()) >= MIN_ANSWER_CHARS
+    ]
+
+
+def cap_text(text: str, max_chars: int = MAX_ANSWER_CHARS) -> str:
+    """text cut to at most max_chars, at the last paragraph break, else line break, else space.
+
+    A boundary is only used if it keeps at least half of max_chars.
+    """
+    if len(text) <= max_chars:
+        return text
+    head = text[:max_chars]
+    for boundary in ("\n\n", "\n", " "):
+        cut = head.rfind(boundary)
+        if cut >= max_chars // 2:
+            return head[:cut].rstrip()
+    return head
+
+
+def to_conversation(item: Documented, seed: int) -> Conversation:
+    # A generator per item (str seeds hash deterministically) keeps each question independent
+    # of which other items are present and of their order.
+    rng = random.Random(f"{seed}:{item.name}")
+    template = rng.choice(QUESTION_TEMPLATES[item.kind])
+    subject = item.name.removeprefix("topic:")
+    return Conversation(name=item.name, question=template.format(subject), answer=item.text)
+
+
+def is_held_out(name: str) -> bool:
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") < HELD_OUT_FRACTION * 2**64
+
+
+def prompt_text(question: str) -> str:
+    """The ChatML generation prompt for one user question, thinking disabled."""
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def render_chat(conversation: Conversation) -> str:
+    """The text a model trains on: the prompt, then the answer closed by `<|im_end|>`."""
+    return f"{prompt_text(conversation.question)}{conversation.answer}<|im_end|>\n"
+
+
+def save_corpus(corpus: Corpus, path: Path) -> None:
+    """Write the corpus as one UTF-8 JSON file (read back with load_corpus)."""
+    payload = {
+        "source": corpus.source,
+        "train": [dataclasses.asdict(c) for c in corpus.train],
+        "held_out": [dataclasses.asdict(c) for c in corpus.held_out],
+    }
+    Path(path).write_text(json.dumps(payload, ensure_ascii=False, indent=1), encoding="utf-8")
+
+
+def load_corpus(path: Path) -> Corpus:
+    payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    return Corpus(
+        train=tuple(Conversation(**c) for c in payload["train"]),
+        held_out=tuple(Conversation(**c) for c in payload["held_out"]),
+        source=payload["source"],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the question templates")
+    args = parser.parse_args(argv)
+    documented = collect_documentation(stdlib_dir())
+    corpus = corpus_from(documented, args.seed)
+    save_corpus(corpus, args.out)
+    print(corpus.source)
+    for kind, count in sorted(collections.Counter(item.kind for item in documented).items()):
+        print(f"  {kind:<8} {count:>6}")
+    num_chars = sum(len(render_chat(c)) for c in (*corpus.train, *corpus.held_out))
+    print(f"train {len(corpus.train)}, held out {len(corpus.held_out)} conversations")
+    print(f"{num_chars} characters of rendered chat written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Train the embedded default pair end to end: corpus → tokenizer → target → drafter.
+
+    python -m training.embedded_pair --out-dir DIR --device cuda [--corpus corpus.json]
+
+Writes DIR/target (Hugging Face layout with tokenizer and chat template), DIR/drafter
+(z-lab DFlash layout), DIR/held_out_prompts.json (chat prompts of held-out items, for
+`bench.embedded`) and DIR/training_log.json (settings, step counts, losses, timings). With
+--target-steps/--drafter-steps the run repeats a logged one instead of fitting the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from target_service.model.loader import load_target_model
+from training.corpus import build_corpus, load_corpus, prompt_text, render_chat
+from training.embedded_configs import embedded_drafter_config, embedded_target_config
+from training.export import save_drafter, save_target
+from training.generate import generate_greedy
+from training.schedule import OptimSettings
+from training.target_lm import init_target
+from training.tokenizer import train_tokenizer, write_tokenizer
+from training.train_drafter import (
+    DrafterTraining,
+    GeneratedSequence,
+    init_drafter,
+    train_drafter,
+)
+from training.train_target import TargetTraining, train_target
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--corpus", type=Path, help="saved corpus (default: build it here)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--target-budget-s", type=float, default=270.0)
+    parser.add_argument("--target-steps", type=int)
+    parser.add_argument("--batch-rows", type=int, default=64)
+    parser.add_argument("--row-tokens", type=int, default=512)
+    parser.add_argument("--num-generations", type=int, default=8192)
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--drafter-budget-s", type=float, default=120.0)
+    parser.add_argument("--drafter-steps", type=int)
+    parser.add_argument("--drafter-batch", type=int, default=64)
+    parser.add_argument("--anchors-per-seq", type=int, default=16)
+    parser.add_argument("--commit", help="commit to record (default: git rev-parse)")
+    return parser.parse_args(argv)
+
+
+def current_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    target_dir, drafter_dir = args.out_dir / "target", args.out_dir / "drafter"
+    record: dict = {
+        "command": "python -m training.embedded_pair " + " ".join(argv or sys.argv[1:]),
+        "commit": args.commit or current_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "seed": args.seed,
+    }
+
+    corpus = load_corpus(args.corpus) if args.corpus else build_corpus(args.seed)
+    record["corpus"] = corpus.source
+    log(f"corpus: {len(corpus.train)} training, {len(corpus.held_out)} held-out conversations")
+    tokenizer = train_tokenizer((render_chat(c) for c in corpus.train), args.vocab_size)
+    specials = write_tokenizer(tokenizer, target_dir)
+    eos_ids = [specials["<|im_end|>"], specials["<|endoftext|>"]]
+    sequences = [tokenizer.encode(render_chat(c)).ids for c in corpus.train]
+    num_tokens = sum(map(len, sequences))
+    record["corpus_tokens"] = num_tokens
+    log(f"tokenizer: {tokenizer.get_vocab_size()} ids; corpus {num_tokens} tokens")
+
+    target_config = embedded_target_config(tokenizer.get_vocab_size(), eos_ids)
+    model = init_target(target_config, args.seed, args.device)
+    target_settings = TargetTraining(
+        batch_rows=args.batch_rows,
+        row_tokens=args.row_tokens,
+        budget_s=args.target_budget_s,
+        num_steps=args.target_steps,
+        optim=OptimSettings(peak_lr=2e-3, warmup_steps=100),
+        seed=args.seed,
+    )
+    record["target_training"] = train_target(model, sequences, target_settings, log)
+    save_target(model, target_config, target_dir)
+    del model
+
+    served_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    target = load_target_model(target_dir, served_dtype, args.device).eval()
+    rng = random.Random(args.seed)
+    chosen = rng.sample(list(corpus.train), min(args.num_generations, len(corpus.train)))
+    prompts = [tokenizer.encode(prompt_text(c.question)).ids for c in chosen]
+    began = time.perf_counter()
+    answers = generate_greedy(target, prompts, args.max_new_tokens, eos_ids, log=log)
+    generated = [
+        GeneratedSequence(p + a, len(p))
+        for p, a in zip(prompts, answers, strict=True)
+        if len(a) > 1
+    ]
+    record["generation"] = {
+        "num_prompts": len(prompts),
+        "num_tokens": sum(map(len, answers)),
+        "seconds": round(time.perf_counter() - began, 1),
+        "max_new_tokens": args.max_new_tokens,
+    }
+    log(f"generated {record['generation']}")
+
+    drafter_config = embedded_drafter_config(tokenizer.get_vocab_size(), specials["<|mask|>"])
+    drafter = init_drafter(drafter_config, target_dir, args.seed, args.device)
+    drafter_settings = DrafterTraining(
+        batch_seqs=args.drafter_batch,
+        anchors_per_seq=args.anchors_per_seq,
+        budget_s=args.drafter_budget_s,
+        num_steps=args.drafter_steps,
+        optim=OptimSettings(peak_lr=1e-3, warmup_steps=50),
+        seed=args.seed,
+    )
+    pad_id = specials["<|endoftext|>"]
+    record["drafter_training"] = train_drafter(
+        drafter, target, generated, drafter_settings, pad_id, log
+    )
+    save_drafter(drafter, drafter_config, drafter_dir)
+
+    held_out = [prompt_text(c.question) for c in corpus.held_out]
+    random.Random(args.seed).shuffle(held_out)  # mixed modules in any first-N subset
+    (args.out_dir / "held_out_prompts.json").write_text(json.dumps(held_out, indent=1))
+    (args.out_dir / "training_log.json").write_text(json.dumps(record, indent=2))
+    log(f"wrote {target_dir}, {drafter_dir}; log {args.out_dir / 'training_log.json'}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
