@@ -52,14 +52,15 @@ def test_chunked_rule_gradients_match_the_token_by_token_recurrence():
 
 def test_target_training_lowers_the_loss_and_exports_a_servable_checkpoint(tmp_path):
     model = init_target(TARGET, seed=0, device="cpu")
-    pattern = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, EOS] for _ in range(40)]
+    pattern = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, EOS][: 6 + i % 7] for i in range(40)]
     settings = TargetTraining(
-        batch_rows=4,
-        row_tokens=24,
+        tokens_per_step=60,
+        max_row_tokens=32,
         budget_s=0,
         num_steps=30,
         optim=OptimSettings(peak_lr=3e-3, warmup_steps=5),
         seed=0,
+        pad_id=0,
     )
     report = train_target(model, pattern, settings, log=lambda _: None)
     assert report["num_steps"] == 30

@@ -27,7 +27,7 @@ from training.export import save_drafter, save_target
 from training.generate import generate_greedy
 from training.schedule import OptimSettings
 from training.target_lm import init_target
-from training.tokenizer import train_tokenizer, write_tokenizer
+from training.tokenizer import conversation_ids, train_tokenizer, write_tokenizer
 from training.train_drafter import (
     DrafterTraining,
     GeneratedSequence,
@@ -50,8 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--target-budget-s", type=float, default=270.0)
     parser.add_argument("--target-steps", type=int)
-    parser.add_argument("--batch-rows", type=int, default=64)
-    parser.add_argument("--row-tokens", type=int, default=512)
+    parser.add_argument("--tokens-per-step", type=int, default=32768)
+    parser.add_argument("--max-row-tokens", type=int, default=512)
     parser.add_argument("--num-generations", type=int, default=8192)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--drafter-budget-s", type=float, default=120.0)
@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = train_tokenizer((render_chat(c) for c in corpus.train), args.vocab_size)
     specials = write_tokenizer(tokenizer, target_dir)
     eos_ids = [specials["<|im_end|>"], specials["<|endoftext|>"]]
-    sequences = [tokenizer.encode(render_chat(c)).ids for c in corpus.train]
+    sequences = [
+        conversation_ids(tokenizer, prompt_text(c.question), c.answer) for c in corpus.train
+    ]
     num_tokens = sum(map(len, sequences))
     record["corpus_tokens"] = num_tokens
     log(f"tokenizer: {tokenizer.get_vocab_size()} ids; corpus {num_tokens} tokens")
@@ -101,12 +103,13 @@ def main(argv: list[str] | None = None) -> dict:
     target_config = embedded_target_config(tokenizer.get_vocab_size(), eos_ids)
     model = init_target(target_config, args.seed, args.device)
     target_settings = TargetTraining(
-        batch_rows=args.batch_rows,
-        row_tokens=args.row_tokens,
+        tokens_per_step=args.tokens_per_step,
+        max_row_tokens=args.max_row_tokens,
         budget_s=args.target_budget_s,
         num_steps=args.target_steps,
         optim=OptimSettings(peak_lr=2e-3, warmup_steps=100),
         seed=args.seed,
+        pad_id=specials["<|endoftext|>"],
     )
     record["target_training"] = train_target(model, sequences, target_settings, log)
     save_target(model, target_config, target_dir)

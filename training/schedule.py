@@ -35,43 +35,41 @@ def make_optimizer(parameters, settings: OptimSettings) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=settings.peak_lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def learning_rate(step: int, num_steps: int, settings: OptimSettings) -> float:
-    """Linear warm-up, then cosine decay to min_lr_frac of the peak."""
+def learning_rate(step: int, progress: float, settings: OptimSettings) -> float:
+    """Linear warm-up over the first steps, then cosine decay (by progress in [0, 1]) to
+    min_lr_frac of the peak."""
     if step < settings.warmup_steps:
         return settings.peak_lr * (step + 1) / settings.warmup_steps
-    progress = (step - settings.warmup_steps) / max(num_steps - settings.warmup_steps, 1)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    cosine = 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
     floor = settings.min_lr_frac
     return settings.peak_lr * (floor + (1 - floor) * cosine)
 
 
 def run_steps(
-    run_step: Callable[[int, int], float],
+    run_step: Callable[[int, float], float],
     num_steps: int | None,
     budget_s: float,
-    num_timed: int,
     log: Callable[[str], None],
     label: str,
 ) -> tuple[int, list[float], float]:
-    """Run run_step(step, num_steps) → loss for num_steps steps; when num_steps is None,
-    time the first num_timed steps (inside the warm-up) and fix the count that fits
-    budget_s. Returns (num_steps, losses, seconds)."""
+    """Call run_step(step, progress) → loss until num_steps steps, or (num_steps None) until
+    budget_s seconds have passed; progress runs 0 → 1 over steps or over time. Returns
+    (steps run, losses, seconds); the step count reproduces the schedule's length."""
     began = time.perf_counter()
-    losses = []
-    if num_steps is None:
-        losses.append(run_step(0, num_timed))  # pays for allocation and kernel selection
-        timed_from = time.perf_counter()
-        for step in range(1, num_timed):
-            losses.append(run_step(step, num_timed))
-        per_step_s = (time.perf_counter() - timed_from) / max(num_timed - 1, 1)
-        num_steps = max(num_timed, int(budget_s / per_step_s))
-    log(f"{label}: {num_steps} steps")
-    for step in range(len(losses), num_steps):
-        losses.append(run_step(step, num_steps))
-        if step % 100 == 0 or step == num_steps - 1:
-            elapsed = time.perf_counter() - began
+    losses: list[float] = []
+    mode = f"{num_steps} steps" if num_steps is not None else f"{budget_s:.0f} s"
+    log(f"{label}: {mode}")
+    while True:
+        elapsed = time.perf_counter() - began
+        progress = len(losses) / num_steps if num_steps is not None else elapsed / budget_s
+        if progress >= 1.0:
+            break
+        step = len(losses)
+        losses.append(run_step(step, progress))
+        if step % 100 == 0:
             log(f"  {label} step {step}: loss {losses[-1]:.3f}, {elapsed:.0f} s")
-    return num_steps, losses, time.perf_counter() - began
+    log(f"  {label}: {len(losses)} steps, last loss {losses[-1]:.3f}")
+    return len(losses), losses, time.perf_counter() - began
 
 
 def loss_summary(losses: list[float]) -> dict:

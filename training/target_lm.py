@@ -47,7 +47,7 @@ def forward_rows(
     return model.logits(hidden), taps
 
 
-def lm_loss(model: Qwen35TextModel, rows: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy over rows [B, T+1] (every position predicts the next)."""
-    logits, _ = forward_rows(model, rows[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+def lm_loss(model: Qwen35TextModel, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; labels [B, T] are the next ids, −100 where ignored."""
+    logits, _ = forward_rows(model, inputs)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)

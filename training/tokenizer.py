@@ -47,3 +47,14 @@ def _without_special_tokens(texts: Iterable[str]) -> Iterator[str]:
         for special in ALL_SPECIAL_TOKENS:
             pieces = [part for piece in pieces for part in piece.split(special)]
         yield from (piece for piece in pieces if piece)
+
+
+def conversation_ids(tokenizer: Tokenizer, prompt: str, answer: str) -> list[int]:
+    """Token ids of one training conversation, as serving sees them: the prompt encoded on
+    its own (as the chat template's output is), then the answer and `<|im_end|>\\n`.
+
+    Encoding the joined text instead merges across the boundary (the prompt's closing
+    "\\n\\n" splits differently before a word), so a model trained on it never sees the
+    prompt tokens it is served and starts every answer wrong.
+    """
+    return tokenizer.encode(prompt).ids + tokenizer.encode(answer + "<|im_end|>\n").ids
