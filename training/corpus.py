@@ -201,6 +201,14 @@ def is_held_out(name: str) -> bool:
     return int.from_bytes(digest[:8], "big") < HELD_OUT_FRACTION * 2**64
 
 
+def rephrased_question(conversation: Conversation, rng: random.Random) -> str:
+    """The conversation's subject asked with another template than its own: a prompt the
+    target never saw, for drafter data that covers how the target answers new prompts."""
+    subject = conversation.question.split("`")[1]
+    choices = [t for t in OBJECT_QUESTIONS if t.format(subject) != conversation.question]
+    return rng.choice(choices).format(subject)
+
+
 def prompt_text(question: str) -> str:
     """The ChatML generation prompt for one user question, thinking disabled."""
     return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

@@ -19,9 +19,17 @@ import time
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
+from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS
 from target_service.model.loader import load_target_model
-from training.corpus import build_corpus, load_corpus, prompt_text, render_chat
+from training.corpus import (
+    build_corpus,
+    load_corpus,
+    prompt_text,
+    render_chat,
+    rephrased_question,
+)
 from training.embedded_configs import embedded_drafter_config, embedded_target_config
 from training.export import save_drafter, save_target
 from training.generate import generate_greedy
@@ -53,6 +61,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens-per-step", type=int, default=32768)
     parser.add_argument("--max-row-tokens", type=int, default=512)
     parser.add_argument("--num-generations", type=int, default=8192)
+    parser.add_argument(
+        "--num-rephrased",
+        type=int,
+        default=0,
+        help="also generate for this many training subjects asked in another phrasing",
+    )
+    parser.add_argument(
+        "--reuse-target",
+        type=Path,
+        help="a target dir trained earlier (with its tokenizer): train only the drafter",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--drafter-budget-s", type=float, default=120.0)
     parser.add_argument("--drafter-steps", type=int)
@@ -90,36 +109,26 @@ def main(argv: list[str] | None = None) -> dict:
     corpus = load_corpus(args.corpus) if args.corpus else build_corpus(args.seed)
     record["corpus"] = corpus.source
     log(f"corpus: {len(corpus.train)} training, {len(corpus.held_out)} held-out conversations")
-    tokenizer = train_tokenizer((render_chat(c) for c in corpus.train), args.vocab_size)
-    specials = write_tokenizer(tokenizer, target_dir)
+    if args.reuse_target:
+        target_dir = args.reuse_target
+        tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+        specials = {name: tokenizer.token_to_id(name) for name in ALL_SPECIAL_TOKENS}
+        record["target_training"] = f"reused {target_dir}"
+    else:
+        tokenizer = train_tokenizer((render_chat(c) for c in corpus.train), args.vocab_size)
+        specials = write_tokenizer(tokenizer, target_dir)
     eos_ids = [specials["<|im_end|>"], specials["<|endoftext|>"]]
-    sequences = [
-        conversation_ids(tokenizer, prompt_text(c.question), c.answer) for c in corpus.train
-    ]
-    num_tokens = sum(map(len, sequences))
-    record["corpus_tokens"] = num_tokens
-    log(f"tokenizer: {tokenizer.get_vocab_size()} ids; corpus {num_tokens} tokens")
-
-    target_config = embedded_target_config(tokenizer.get_vocab_size(), eos_ids)
-    model = init_target(target_config, args.seed, args.device)
-    target_settings = TargetTraining(
-        tokens_per_step=args.tokens_per_step,
-        max_row_tokens=args.max_row_tokens,
-        budget_s=args.target_budget_s,
-        num_steps=args.target_steps,
-        optim=OptimSettings(peak_lr=2e-3, warmup_steps=100),
-        seed=args.seed,
-        pad_id=specials["<|endoftext|>"],
-    )
-    record["target_training"] = train_target(model, sequences, target_settings, log)
-    save_target(model, target_config, target_dir)
-    del model
+    if not args.reuse_target:
+        train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, record)
 
     served_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = load_target_model(target_dir, served_dtype, args.device).eval()
     rng = random.Random(args.seed)
     chosen = rng.sample(list(corpus.train), min(args.num_generations, len(corpus.train)))
-    prompts = [tokenizer.encode(prompt_text(c.question)).ids for c in chosen]
+    questions = [c.question for c in chosen]
+    rephrase = rng.sample(list(corpus.train), min(args.num_rephrased, len(corpus.train)))
+    questions += [rephrased_question(c, rng) for c in rephrase]
+    prompts = [tokenizer.encode(prompt_text(q)).ids for q in questions]
     began = time.perf_counter()
     answers = generate_greedy(target, prompts, args.max_new_tokens, eos_ids, log=log)
     generated = [
@@ -157,6 +166,28 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out_dir / "training_log.json").write_text(json.dumps(record, indent=2))
     log(f"wrote {target_dir}, {drafter_dir}; log {args.out_dir / 'training_log.json'}")
     return record
+
+
+def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, record) -> None:
+    sequences = [
+        conversation_ids(tokenizer, prompt_text(c.question), c.answer) for c in corpus.train
+    ]
+    num_tokens = sum(map(len, sequences))
+    record["corpus_tokens"] = num_tokens
+    log(f"tokenizer: {tokenizer.get_vocab_size()} ids; corpus {num_tokens} tokens")
+    target_config = embedded_target_config(tokenizer.get_vocab_size(), eos_ids)
+    model = init_target(target_config, args.seed, args.device)
+    target_settings = TargetTraining(
+        tokens_per_step=args.tokens_per_step,
+        max_row_tokens=args.max_row_tokens,
+        budget_s=args.target_budget_s,
+        num_steps=args.target_steps,
+        optim=OptimSettings(peak_lr=2e-3, warmup_steps=100),
+        seed=args.seed,
+        pad_id=specials["<|endoftext|>"],
+    )
+    record["target_training"] = train_target(model, sequences, target_settings, log)
+    save_target(model, target_config, target_dir)
 
 
 if __name__ == "__main__":
