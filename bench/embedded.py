@@ -5,8 +5,9 @@
         [--out bench/results/embedded.json] [--corpus-note TEXT] [--commit ID]
 
 Without --target/--drafter it measures the embedded default pair (`dflash-serve up` with no
-model). Both engines are built as their services build them (TargetRuntime, DrafterRuntime:
-the services' dtype, state shape and batchers) and driven by the gateway's loop
+model) on its held-out prompts (launcher/embedded_pair/held_out_prompts.json). Both
+engines are built as their services build them (TargetRuntime, DrafterRuntime: the
+services' dtype, state shape and batchers) and driven by the gateway's loop
 (SpeculativeGeneration, the gateway's default of 15 drafts, the target's EOS ids as stops);
 only gRPC and HTTP are left out. Per prompt: target-only greedy decoding, speculative greedy
 decoding, and speculative decoding at temperature 0.7 with a fixed seed.
@@ -250,10 +251,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.target is None:
-        from launcher.embedded_default import embedded_model_pair
+        from launcher.embedded_default import EMBEDDED_DIR, embedded_model_pair
 
-        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash-serve"
-        args.target, args.drafter = embedded_model_pair(cache)
+        args.target, args.drafter = embedded_model_pair()
+        if args.prompts is None:  # its held-out prompts, never seen in training
+            args.prompts = EMBEDDED_DIR / "held_out_prompts.json"
     return args
 
 

@@ -170,7 +170,6 @@ def run_gateway(args: argparse.Namespace) -> None:
 
 def run_up(args: argparse.Namespace) -> None:
     """Target and drafter as child processes, the gateway in this process."""
-    import os
     from pathlib import Path
 
     from gateway.app import serve
@@ -179,8 +178,7 @@ def run_up(args: argparse.Namespace) -> None:
 
     target, drafter = args.target, args.drafter
     if target is None:
-        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash-serve"
-        target, drafter = (str(p) for p in embedded_model_pair(cache))
+        target, drafter = (str(p) for p in embedded_model_pair())
         print(f"no --target given: serving the embedded demo pair from {Path(target).parent}")
     device = args.device
     if device == "auto":

@@ -25,8 +25,16 @@ def dflash_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def embedded_pair(tmp_path_factory):
-    """The product's embedded default pair (tiny random target with a byte tokenizer)."""
+def embedded_pair():
+    """The product's embedded default pair (the trained target and drafter it ships)."""
     from launcher.embedded_default import embedded_model_pair
 
-    return embedded_model_pair(tmp_path_factory.mktemp("embedded"))
+    return embedded_model_pair()
+
+
+@pytest.fixture(scope="session")
+def byte_level_pair(tmp_path_factory):
+    """A tiny random pair whose tokenizer maps every id below 256 to one byte."""
+    from tests.byte_level_pair import write_byte_level_pair
+
+    return write_byte_level_pair(tmp_path_factory.mktemp("byte_level_pair"))

@@ -49,8 +49,8 @@ class LocalBackends:
 
 
 @pytest.fixture(scope="module")
-def setup(embedded_pair):
-    target_dir, _ = embedded_pair
+def setup(byte_level_pair):
+    target_dir, _ = byte_level_pair
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = load_target_model(target_dir)
     target = InProcessTarget(TargetEngine(model, StateShape(2, 512)))

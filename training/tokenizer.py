@@ -11,7 +11,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS, write_tokenizer_files
+from dflash_serve.checkpoint.byte_tokenizer import (
+    ALL_SPECIAL_TOKENS,
+    NO_THINKING_CHAT_TEMPLATE,
+    write_tokenizer_files,
+)
 
 NUM_BYTE_TOKENS = 256
 
@@ -36,8 +40,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
 
 
 def write_tokenizer(tokenizer: Tokenizer, model_dir: Path) -> dict[str, int]:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja; return special ids."""
-    return write_tokenizer_files(tokenizer, model_dir)
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja; return special ids.
+
+    The trained models answer without thinking, so their template always closes an empty
+    think block (the prompts they were trained on)."""
+    return write_tokenizer_files(tokenizer, model_dir, NO_THINKING_CHAT_TEMPLATE)
 
 
 def _without_special_tokens(texts: Iterable[str]) -> Iterator[str]:

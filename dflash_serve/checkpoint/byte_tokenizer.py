@@ -29,6 +29,11 @@ CHAT_TEMPLATE = (
     "{%- else %}{{ '<think>\\n' }}{%- endif %}"
     "{%- endif %}"
 )
+# For models that never learned to think (the trained embedded pair): the generation prompt
+# always closes an empty think block, as CHAT_TEMPLATE does with enable_thinking=False.
+NO_THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- if enable_thinking is defined and not enable_thinking %}", "{%- if true %}"
+)
 
 
 def special_token_ids() -> dict[str, int]:
@@ -49,11 +54,13 @@ def write_byte_tokenizer(model_dir: Path) -> dict[str, int]:
     return specials
 
 
-def write_tokenizer_files(tokenizer: Tokenizer, model_dir: Path) -> dict[str, int]:
+def write_tokenizer_files(
+    tokenizer: Tokenizer, model_dir: Path, chat_template: str = CHAT_TEMPLATE
+) -> dict[str, int]:
     """Write any tokenizer with our special tokens as an AutoTokenizer-loadable directory.
 
-    Writes tokenizer.json, tokenizer_config.json and chat_template.jinja (CHAT_TEMPLATE) into
-    model_dir and returns the id of each token in ALL_SPECIAL_TOKENS.
+    Writes tokenizer.json, tokenizer_config.json and chat_template.jinja into model_dir and
+    returns the id of each token in ALL_SPECIAL_TOKENS.
     """
     specials = {name: tokenizer.token_to_id(name) for name in ALL_SPECIAL_TOKENS}
     missing = [name for name, token_id in specials.items() if token_id is None]
@@ -70,7 +77,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, model_dir: Path) -> dict[str, in
         "clean_up_tokenization_spaces": False,
     }
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (model_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (model_dir / "chat_template.jinja").write_text(chat_template)
     return specials
 
 
