@@ -39,7 +39,9 @@ class DynamicBatcher(Generic[Request, Result]):
         max_batch_size: int,
         max_wait_us: int,
         thread_name: str,
+        thread_initializer: Callable[[], object] | None = None,
     ) -> None:
+        """thread_initializer runs once on the batcher's thread before its first batch."""
         if max_batch_size < 1 or max_wait_us < 0:
             raise ValueError(
                 f"max_batch_size must be >= 1 and max_wait_us >= 0; got "
@@ -52,7 +54,9 @@ class DynamicBatcher(Generic[Request, Result]):
         self._pending: list[tuple[Request, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=thread_name, initializer=thread_initializer
+        )
 
     async def submit(self, request: Request) -> Result:
         """Queue one request and wait for its result (exceptions are re-raised here)."""

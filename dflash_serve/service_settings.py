@@ -19,6 +19,10 @@ class ServiceSettings:
     max_context_tokens: int = 4096
     max_batch_size: int = 16
     max_wait_us: int = 200
+    # torch intra-op threads of the engine thread. One is fastest for the small per-step ops
+    # of decoding on a CPU: two OpenMP teams (the loading thread's and the engine thread's)
+    # spinning on the same cores cost the embedded pair 40 % of its decode speed.
+    engine_threads: int = 1
     grace_period_s: float = 5.0
     gpu_memory_fraction: float | None = None  # cap for this process on a shared GPU
 
@@ -44,6 +48,7 @@ class ServiceSettings:
             "max_context_tokens": self.max_context_tokens >= 2,
             "max_batch_size": self.max_batch_size >= 1,
             "max_wait_us": self.max_wait_us >= 0,
+            "engine_threads": self.engine_threads >= 1,
             "grace_period_s": self.grace_period_s >= 0,
             "dtype": self.dtype in DTYPE_CHOICES,
             "gpu_memory_fraction": self.gpu_memory_fraction is None

@@ -28,7 +28,9 @@ class DrafterRuntime:
             show_progress=True,
         )
         self.engine = DrafterEngine(model, service.max_sessions, service.max_context_tokens)
-        self.drafter = InProcessDrafter(self.engine, service.max_batch_size, service.max_wait_us)
+        self.drafter = InProcessDrafter(
+            self.engine, service.max_batch_size, service.max_wait_us, service.engine_threads
+        )
         dflash = model.config
         self.info = DrafterInfo(
             model_name=config.model,

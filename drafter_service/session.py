@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
+import torch
+
 from dflash_serve.batching import DynamicBatcher
 from drafter_service.engine import DrafterEngine
 from drafter_service.speculative_step import DraftRequest, add_context_and_draft
@@ -19,10 +21,17 @@ class InProcessDrafter:
         engine: DrafterEngine,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_wait_us: int = DEFAULT_MAX_WAIT_US,
+        engine_threads: int | None = None,
     ) -> None:
+        """engine_threads: torch intra-op threads of the engine thread (None: torch's default)."""
         self.engine = engine
+        setup = None if engine_threads is None else partial(torch.set_num_threads, engine_threads)
         self.batcher = DynamicBatcher(
-            partial(add_context_and_draft, engine), max_batch_size, max_wait_us, "drafter-engine"
+            partial(add_context_and_draft, engine),
+            max_batch_size,
+            max_wait_us,
+            "drafter-engine",
+            setup,
         )
 
     async def open(self) -> DrafterSequence:

@@ -34,6 +34,12 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     parser.add_argument(
         "--max-wait-us", type=int, default=200, help="how long a step waits for companions"
     )
+    parser.add_argument(
+        "--engine-threads",
+        type=int,
+        default=1,
+        help="torch threads of the engine thread (1 is fastest for decoding on a CPU)",
+    )
     parser.add_argument("--grace-period-s", type=float, default=5.0, help="drain time on SIGTERM")
     parser.add_argument(
         "--gpu-memory-fraction", type=float, help="cap of this process's share of the GPU (0..1]"
@@ -125,6 +131,7 @@ def service_settings(args: argparse.Namespace):
         max_context_tokens=args.max_context_tokens,
         max_batch_size=args.max_batch_size,
         max_wait_us=args.max_wait_us,
+        engine_threads=args.engine_threads,
         grace_period_s=args.grace_period_s,
         gpu_memory_fraction=args.gpu_memory_fraction,
     )

@@ -37,7 +37,9 @@ class TargetRuntime:
             config.prefill_chunk_tokens,
             share_features=service.device.startswith("cuda"),
         )
-        self.target = InProcessTarget(self.engine, service.max_batch_size, service.max_wait_us)
+        self.target = InProcessTarget(
+            self.engine, service.max_batch_size, service.max_wait_us, service.engine_threads
+        )
         model_config = model.config
         self.info = TargetInfo(
             model_name=config.model,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
+import torch
+
 from dflash_serve.batching import DynamicBatcher
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 from target_service.engine import TargetEngine
@@ -26,10 +28,13 @@ class InProcessTarget:
         engine: TargetEngine,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_wait_us: int = DEFAULT_MAX_WAIT_US,
+        engine_threads: int | None = None,
     ) -> None:
+        """engine_threads: torch intra-op threads of the engine thread (None: torch's default)."""
         self.engine = engine
+        setup = None if engine_threads is None else partial(torch.set_num_threads, engine_threads)
         self.batcher = DynamicBatcher(
-            partial(verify_and_commit, engine), max_batch_size, max_wait_us, "target-engine"
+            partial(verify_and_commit, engine), max_batch_size, max_wait_us, "target-engine", setup
         )
 
     async def open(self, sampling: SamplingParams) -> TargetSequence:
