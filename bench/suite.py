@@ -231,11 +231,10 @@ class Suite:
     async def _http_layer(self, target, target_address: str, prompt: list[int]) -> dict:
         """Target-only requests through the HTTP gateway vs the same through the gRPC client:
         what the HTTP layer (routes, SSE, detokenizing, stops) adds per token."""
-        from dflash_serve.checkpoint.byte_tokenizer import write_byte_tokenizer
         from launcher.service_processes import GATEWAY_LISTENING, start_service, wait_healthy
 
         model_dir = self.dirs[self.args.e2e_layout]
-        write_byte_tokenizer(model_dir)  # any tokenizer will do: ids outside it decode to ""
+        write_numbered_tokenizer(model_dir, self.vocab)
         gateway = start_service(
             ["gateway", "--target-address", target_address, "--tokenizer", str(model_dir)],
             timeout_s=300,
@@ -293,6 +292,23 @@ class Suite:
         self.results["in_process"] = asyncio.run(go())
         target.inner.close()
         drafter.inner.close()
+
+
+def write_numbered_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A tokenizer in which every id of the random model decodes to visible text ("<id>"),
+    so that the HTTP stream's first content chunk is its first token (a byte tokenizer
+    leaves most of a 248 K vocabulary without text: the first *visible* chunk came late)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS, write_tokenizer_files
+
+    names = list(ALL_SPECIAL_TOKENS) + [
+        f"<{i}>" for i in range(len(ALL_SPECIAL_TOKENS), vocab_size)
+    ]
+    tokenizer = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, "<6>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(list(ALL_SPECIAL_TOKENS))
+    write_tokenizer_files(tokenizer, model_dir)
 
 
 class LocalTarget:
