@@ -8,9 +8,10 @@ Without --target/--drafter it measures the embedded default pair (`dflash-serve 
 model) on its held-out prompts (launcher/embedded_pair/held_out_prompts.json). Both
 engines are built as their services build them (TargetRuntime, DrafterRuntime: the
 services' dtype, state shape and batchers) and driven by the gateway's loop
-(SpeculativeGeneration, the gateway's default of 15 drafts, the target's EOS ids as stops);
-only gRPC and HTTP are left out. Per prompt: target-only greedy decoding, speculative greedy
-decoding, and speculative decoding at temperature 0.7 with a fixed seed.
+(SpeculativeGeneration, the gateway's default of 15 drafts and its draft pacing, the
+target's EOS ids as stops); only gRPC and HTTP are left out. Per prompt: target-only
+greedy decoding, speculative greedy decoding, and speculative decoding at temperature 0.7
+with a fixed seed.
 
 τ and the per-position acceptance are counted over verify steps that carried drafts (the
 loop's SpecStats, vLLM's definition), so the step that only commits the last token of a
@@ -39,6 +40,7 @@ import torch
 from bench.timing import run_facts, synchronize
 from dflash_serve.service_settings import ServiceSettings
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
+from dflash_serve.speculative.pacing import DraftPacing
 from dflash_serve.speculative.types import SamplingParams, SpecStats
 from drafter_service.config import DrafterServiceConfig
 from drafter_service.model.config import load_dflash_config
@@ -75,8 +77,15 @@ class PairInProcess:
     """The target and drafter, built as their services build them, and one request's run."""
 
     def __init__(
-        self, target_dir: Path, drafter_dir: Path, device: str, max_context_tokens: int
+        self,
+        target_dir: Path,
+        drafter_dir: Path,
+        device: str,
+        max_context_tokens: int,
+        is_adaptive: bool = True,
     ) -> None:
+        """is_adaptive: pace drafting as the gateway does by default (DraftPacing)."""
+        self.is_adaptive = is_adaptive
         settings = ServiceSettings(device=device, max_context_tokens=max_context_tokens)
         taps = load_dflash_config(drafter_dir).target_layer_ids
         self.dtype = settings.resolved_dtype
@@ -106,6 +115,7 @@ class PairInProcess:
             StopRules(max_new_tokens, self.stop_token_ids),
             self.num_drafts,
             self.target.info.max_context_tokens,
+            DraftPacing() if self.is_adaptive else None,
         )
         try:
             token_ids = [token async for token in run.tokens()]
@@ -243,6 +253,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench/results/embedded.json"))
     parser.add_argument("--corpus-note", help="what the pair was trained on (kept if omitted)")
     parser.add_argument("--commit", help="commit id to record (default: git rev-parse)")
+    parser.add_argument(
+        "--no-adaptive-drafting",
+        dest="adaptive_drafting",
+        action="store_false",
+        help="draft at every step (the gateway paces drafting by default)",
+    )
     args = parser.parse_args(argv)
     if (args.target is None) != (args.drafter is None):
         parser.error("give both --target and --drafter, or neither (the embedded pair)")
@@ -269,7 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = load_prompts(args.prompts, tokenizer)[: args.num_prompts]
     prompts_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    pair = PairInProcess(args.target, args.drafter, args.device, args.max_context_tokens)
+    pair = PairInProcess(
+        args.target, args.drafter, args.device, args.max_context_tokens, args.adaptive_drafting
+    )
     progress(
         f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.device} ({pair.dtype})"
     )
@@ -288,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
         "drafter": str(args.drafter),
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
+        "adaptive_drafting": args.adaptive_drafting,
     }
     if args.corpus_note is not None:
         run["corpus"] = args.corpus_note

@@ -40,14 +40,19 @@ class DynamicBatcher(Generic[Request, Result]):
         max_wait_us: int,
         thread_name: str,
         thread_initializer: Callable[[], object] | None = None,
+        num_possible_requests: Callable[[], int] | None = None,
     ) -> None:
-        """thread_initializer runs once on the batcher's thread before its first batch."""
+        """thread_initializer runs once on the batcher's thread before its first batch.
+        num_possible_requests: how many requests could be pending at most right now (the open
+        sessions); a batch never waits for companions beyond that number, so a lone session
+        pays no max_wait_us."""
         if max_batch_size < 1 or max_wait_us < 0:
             raise ValueError(
                 f"max_batch_size must be >= 1 and max_wait_us >= 0; got "
                 f"{max_batch_size}, {max_wait_us}"
             )
         self._run_batch = run_batch
+        self._num_possible_requests = num_possible_requests
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_us / 1e6
         self.counters = BatchCounters()
@@ -73,12 +78,17 @@ class DynamicBatcher(Generic[Request, Result]):
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            if len(self._pending) < self.max_batch_size and self.max_wait_s > 0:
+            if self.max_wait_s > 0 and len(self._pending) < self._largest_possible_batch():
                 await asyncio.sleep(self.max_wait_s)
             while self._pending:
                 batch = self._pending[: self.max_batch_size]
                 del self._pending[: len(batch)]
                 await self._run(batch)
+
+    def _largest_possible_batch(self) -> int:
+        if self._num_possible_requests is None:
+            return self.max_batch_size
+        return min(self.max_batch_size, self._num_possible_requests())
 
     async def _run(self, batch: list[tuple[Request, asyncio.Future]]) -> None:
         live = [(request, future) for request, future in batch if not future.cancelled()]

@@ -32,6 +32,7 @@ class InProcessDrafter:
             max_wait_us,
             "drafter-engine",
             setup,
+            lambda: engine.slots.num_active,
         )
 
     async def open(self) -> DrafterSequence:

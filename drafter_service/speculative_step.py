@@ -44,6 +44,9 @@ def add_context_and_draft(
         except DflashError as error:
             results[index] = error
             continue
+        if request.num_drafts == 0:  # a paced-out step: the context only
+            results[index] = Drafts([], time.perf_counter_ns() - began_ns, 1)
+            continue
         groups[request.num_drafts].append(index)
     for num_drafts, indices in groups.items():
         slots = [requests[i].slot for i in indices]

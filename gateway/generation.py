@@ -16,6 +16,7 @@ from dflash_serve.speculative.loop import (
     SpeculativeGeneration,
     StopRules,
 )
+from dflash_serve.speculative.pacing import DraftPacing
 from gateway.backends import Backends
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
@@ -120,6 +121,7 @@ class Generator:
             stops,
             self.config.num_drafts,
             info.max_context_tokens,
+            DraftPacing() if self.config.adaptive_drafting else None,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         matcher = StopStringMatcher(list(request.stop_strings))

@@ -51,6 +51,12 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--served-model-name", default="dflash", help="the API's model id")
     parser.add_argument("--num-drafts", type=int, default=15, help="drafts per step (0..15)")
+    parser.add_argument(
+        "--no-adaptive-drafting",
+        dest="adaptive_drafting",
+        action="store_false",
+        help="draft at every step even while drafts keep being rejected",
+    )
     parser.add_argument("--max-concurrent-requests", type=int, default=16)
     parser.add_argument("--max-queued-requests", type=int, default=64)
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
@@ -70,6 +76,7 @@ def gateway_config(args: argparse.Namespace, target: str, drafter: str | None, t
         host=args.host,
         port=args.port,
         num_drafts=args.num_drafts,
+        adaptive_drafting=args.adaptive_drafting,
         max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests,
         request_timeout_s=args.request_timeout_s,

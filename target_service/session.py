@@ -34,7 +34,12 @@ class InProcessTarget:
         self.engine = engine
         setup = None if engine_threads is None else partial(torch.set_num_threads, engine_threads)
         self.batcher = DynamicBatcher(
-            partial(verify_and_commit, engine), max_batch_size, max_wait_us, "target-engine", setup
+            partial(verify_and_commit, engine),
+            max_batch_size,
+            max_wait_us,
+            "target-engine",
+            setup,
+            lambda: engine.slots.num_active,
         )
 
     async def open(self, sampling: SamplingParams) -> TargetSequence:

@@ -6,7 +6,9 @@ from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.types import SamplingParams
 
 
-async def generate(target, drafter_session, prompt, sampling: SamplingParams, max_new, num_drafts):
+async def generate(
+    target, drafter_session, prompt, sampling: SamplingParams, max_new, num_drafts, pacing=None
+):
     """Returns (tokens, finish_reason, stats); `drafter_session` None means target-only."""
     session = await target.open(sampling)
     run = SpeculativeGeneration(
@@ -16,6 +18,7 @@ async def generate(target, drafter_session, prompt, sampling: SamplingParams, ma
         stops=StopRules(max_new, frozenset(target.engine.config.eos_token_ids)),
         num_drafts=num_drafts,
         max_context_tokens=target.engine.state.shape.max_len,
+        pacing=pacing,
     )
     try:
         tokens = [token async for token in run.tokens()]

@@ -13,6 +13,7 @@ import itertools
 
 import pytest
 
+from dflash_serve.speculative.pacing import DraftPacing
 from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
 from dflash_serve.speculative.types import SamplingParams
 from drafter_service.engine import DrafterEngine
@@ -148,3 +149,47 @@ def test_batched_sequences_each_get_their_solo_output(services):
     for (expected, _, _), (tokens, _, _) in zip(solo, together, strict=True):
         assert tokens == expected
     assert max_batch > 1, "concurrent verify steps were not batched"
+
+
+class RecordingDrafter:
+    """Passes draft calls to a real session; records (context rows so far, anchor, drafts
+    asked) per call."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.num_rows = 0
+        self.calls: list[tuple[int, int, int]] = []
+
+    async def draft(self, features, anchor_id: int, num_drafts: int) -> list[int]:
+        self.num_rows += features.shape[0]
+        self.calls.append((self.num_rows, anchor_id, num_drafts))
+        return await self.inner.draft(features, anchor_id, num_drafts)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_paced_drafting_is_lossless_and_feeds_every_step(services, temperature):
+    """With drafts rejected, pacing skips drafting on some steps; output is unchanged and
+    the drafter still receives the features of every committed token, step by step."""
+    target, drafter = services
+    sampling = sampling_for(7, temperature)
+
+    async def run():
+        reference, _, _ = await generate(target, None, PROMPTS[2], sampling, MAX_NEW, 15)
+        paced = RecordingDrafter(await drafter.open())
+        tokens, _, stats = await generate(
+            target, paced, PROMPTS[2], sampling, MAX_NEW, 15, DraftPacing()
+        )
+        return reference, tokens, stats, paced.calls
+
+    reference, tokens, stats, calls = asyncio.run(run())
+    assert tokens == reference
+    # Each call's anchor is the token right after all context rows given so far: no step's
+    # features were skipped or given twice.
+    sequence = PROMPTS[2] + reference
+    assert all(sequence[rows] == anchor for rows, anchor, _ in calls)
+    assert calls[-1][0] >= len(sequence) - 16
+    assert any(asked == 0 for _, _, asked in calls), "pacing never skipped a draft"
+    assert stats.num_drafts < stats.num_target_steps

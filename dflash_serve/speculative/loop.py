@@ -5,6 +5,7 @@ equals the target's token at its position, so every emitted token is the target'
 and the output is exactly target-only decoding. The loop walks the tokens of each step one
 by one so that the first stop (stop token, max_new_tokens, context limit) wins and nothing
 after it is emitted. A failing drafter only costs speed: the loop continues target-only.
+With a DraftPacing, steps may carry no drafts while drafts keep failing (pacing.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from dflash_serve.speculative.pacing import DraftPacing
 from dflash_serve.speculative.protocols import DrafterSession, TargetSession
 from dflash_serve.speculative.types import SpecStats
 
@@ -38,6 +40,7 @@ class SpeculativeGeneration:
     stops: StopRules
     num_drafts: int
     max_context_tokens: int
+    pacing: DraftPacing | None = None  # None: draft at every step
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     drafter_error: BaseException | None = None
@@ -65,16 +68,22 @@ class SpeculativeGeneration:
                 self.finish_reason = FINISH_LENGTH
                 return
             budget = min(self.num_drafts, self.stops.max_new_tokens - num_emitted - 1, room)
-            drafts = await self._draft(step.features, anchor, budget)
+            # With no budget this is the request's last step: the drafter's context can stay
+            # behind. A paced-out step drafts nothing but still feeds the drafter's context.
+            drafts = []
+            if budget > 0:
+                is_paced_out = self.pacing is not None and not self.pacing.should_draft()
+                drafts = await self._draft(step.features, anchor, 0 if is_paced_out else budget)
             step = await self.target.verify([anchor, *drafts])
             self.stats.record(len(drafts), step.num_accepted)
+            if self.pacing is not None:
+                self.pacing.record(len(drafts), step.num_accepted)
             committed += step.num_accepted + 1
 
     async def _draft(self, features, anchor: int, num_drafts: int) -> list[int]:
-        """Drafts from the drafter, or none (a target-only step) without a working drafter."""
-        # With no budget this is the request's last step, so the drafter's context can stay
-        # behind.
-        if self.drafter is None or num_drafts < 1:
+        """Drafts from the drafter (none when num_drafts is 0: it only takes the features),
+        or none (a target-only step) without a working drafter."""
+        if self.drafter is None:
             return []
         try:
             return await self.drafter.draft(features, anchor, num_drafts)

@@ -29,7 +29,8 @@ class DrafterSession(Protocol):
     """One request's context on the drafter."""
 
     async def draft(self, features: Any, anchor_id: int, num_drafts: int) -> list[int]:
-        """Append `features` (committed tokens) to the context, then propose drafts."""
+        """Append `features` (committed tokens) to the context, then propose num_drafts
+        drafts (none when num_drafts is 0)."""
         ...
 
     async def close(self) -> None: ...

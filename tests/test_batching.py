@@ -1,4 +1,4 @@
-"""The engine thread's torch thread count is a service setting, applied on that thread."""
+"""The dynamic batcher: its thread (and the torch thread count set on it), and when it waits."""
 
 from __future__ import annotations
 
@@ -45,3 +45,37 @@ def test_target_engine_thread_uses_the_configured_thread_count(causal_lm_dir):
     assert asyncio.run(engine_threads()) == 1
     target.close()
     assert torch.get_num_threads() == main_threads  # this thread keeps its own setting
+
+
+def sleeps_before_a_lone_request(monkeypatch, num_possible) -> list[float]:
+    """The batcher's waits (asyncio.sleep calls) around one request."""
+    import dflash_serve.batching as batching
+
+    waits = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(seconds):
+        waits.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(batching.asyncio, "sleep", recording_sleep)
+    batcher = DynamicBatcher(lambda requests: list(requests), 8, 500, "wait", None, num_possible)
+
+    async def go():
+        return await batcher.submit("only")
+
+    assert asyncio.run(go()) == "only"
+    batcher.close()
+    return waits
+
+
+def test_a_lone_session_does_not_wait_for_companions(monkeypatch):
+    assert sleeps_before_a_lone_request(monkeypatch, lambda: 1) == []
+
+
+def test_a_request_waits_when_other_sessions_are_open(monkeypatch):
+    assert sleeps_before_a_lone_request(monkeypatch, lambda: 3) == [500e-6]
+
+
+def test_without_a_session_count_the_batcher_always_waits(monkeypatch):
+    assert sleeps_before_a_lone_request(monkeypatch, None) == [500e-6]
