@@ -170,3 +170,19 @@ def test_write_tokenizer_names_missing_special_tokens(tmp_path):
     without_mask.add_special_tokens(list(SPECIAL_TOKENS))
     with pytest.raises(ValueError, match=re.escape(repr(["<|mask|>"]))):
         write_tokenizer(without_mask, tmp_path)
+
+
+def test_invented_questions_ask_about_subjects_that_do_not_exist(corpus):
+    import random
+
+    from training.corpus import OBJECT_QUESTIONS, invented_question, subject_of
+
+    known = {subject_of(c) for c in (*corpus.train, *corpus.held_out)}
+    first = [invented_question(corpus.train, random.Random(3), known) for _ in range(1)]
+    rng = random.Random(3)
+    questions = [invented_question(corpus.train, rng, known) for _ in range(200)]
+    assert questions[0] == first[0]  # seeded: reproducible
+    for question in questions:
+        subject = question.split("`")[1]
+        assert subject not in known
+        assert any(t.format(subject) == question for t in OBJECT_QUESTIONS)

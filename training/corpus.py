@@ -204,9 +204,29 @@ def is_held_out(name: str) -> bool:
 def rephrased_question(conversation: Conversation, rng: random.Random) -> str:
     """The conversation's subject asked with another template than its own: a prompt the
     target never saw, for drafter data that covers how the target answers new prompts."""
-    subject = conversation.question.split("`")[1]
+    subject = subject_of(conversation)
     choices = [t for t in OBJECT_QUESTIONS if t.format(subject) != conversation.question]
     return rng.choice(choices).format(subject)
+
+
+def invented_question(
+    conversations: tuple[Conversation, ...], rng: random.Random, known: set[str]
+) -> str:
+    """A question about a subject that does not exist: one training item's module path with
+    another item's last name component (`json.decoder.dedent`). The target has to improvise
+    its answer, as it does for any subject it never saw; drafter data from such prompts
+    covers that behaviour without touching the held-out set."""
+    while True:
+        first, second = rng.sample(conversations, 2)
+        head, tail = subject_of(first).rpartition(".")[0], subject_of(second).rpartition(".")[2]
+        subject = f"{head}.{tail}" if head else tail
+        if subject not in known:
+            return rng.choice(OBJECT_QUESTIONS).format(subject)
+
+
+def subject_of(conversation: Conversation) -> str:
+    """The name a question asks about (between its backticks)."""
+    return conversation.question.split("`")[1]
 
 
 def prompt_text(question: str) -> str:

@@ -25,10 +25,12 @@ from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS
 from target_service.model.loader import load_target_model
 from training.corpus import (
     build_corpus,
+    invented_question,
     load_corpus,
     prompt_text,
     render_chat,
     rephrased_question,
+    subject_of,
 )
 from training.embedded_configs import embedded_drafter_config, embedded_target_config
 from training.export import save_drafter, save_target
@@ -66,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         help="also generate for this many training subjects asked in another phrasing",
+    )
+    parser.add_argument(
+        "--num-invented",
+        type=int,
+        default=0,
+        help="also generate for this many invented subjects (training names recombined)",
     )
     parser.add_argument(
         "--reuse-target",
@@ -128,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     questions = [c.question for c in chosen]
     rephrase = rng.sample(list(corpus.train), min(args.num_rephrased, len(corpus.train)))
     questions += [rephrased_question(c, rng) for c in rephrase]
+    known = {subject_of(c) for c in (*corpus.train, *corpus.held_out)}
+    questions += [invented_question(corpus.train, rng, known) for _ in range(args.num_invented)]
     prompts = [tokenizer.encode(prompt_text(q)).ids for q in questions]
     began = time.perf_counter()
     answers = generate_greedy(target, prompts, args.max_new_tokens, eos_ids, log=log)
