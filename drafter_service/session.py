@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
-import torch
-
-from dflash_serve.batching import DynamicBatcher
+from dflash_serve.engine_batcher import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_WAIT_US,
+    engine_batcher,
+)
 from drafter_service.engine import DrafterEngine
 from drafter_service.speculative_step import DraftRequest, add_context_and_draft
-
-DEFAULT_MAX_BATCH_SIZE = 16
-DEFAULT_MAX_WAIT_US = 200
 
 
 class InProcessDrafter:
@@ -23,16 +22,15 @@ class InProcessDrafter:
         max_wait_us: int = DEFAULT_MAX_WAIT_US,
         engine_threads: int | None = None,
     ) -> None:
-        """engine_threads: torch intra-op threads of the engine thread (None: torch's default)."""
+        """engine_threads: torch threads of the engine thread (None: torch's default)."""
         self.engine = engine
-        setup = None if engine_threads is None else partial(torch.set_num_threads, engine_threads)
-        self.batcher = DynamicBatcher(
+        self.batcher = engine_batcher(
             partial(add_context_and_draft, engine),
+            engine.slots,
+            "drafter-engine",
             max_batch_size,
             max_wait_us,
-            "drafter-engine",
-            setup,
-            lambda: engine.slots.num_active,
+            engine_threads,
         )
 
     async def open(self) -> DrafterSequence:

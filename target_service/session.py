@@ -9,15 +9,14 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
-import torch
-
-from dflash_serve.batching import DynamicBatcher
+from dflash_serve.engine_batcher import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_WAIT_US,
+    engine_batcher,
+)
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 from target_service.engine import TargetEngine
 from target_service.speculative_step import VerifyRequest, prefill_and_choose, verify_and_commit
-
-DEFAULT_MAX_BATCH_SIZE = 16
-DEFAULT_MAX_WAIT_US = 200
 
 
 class InProcessTarget:
@@ -30,16 +29,15 @@ class InProcessTarget:
         max_wait_us: int = DEFAULT_MAX_WAIT_US,
         engine_threads: int | None = None,
     ) -> None:
-        """engine_threads: torch intra-op threads of the engine thread (None: torch's default)."""
+        """engine_threads: torch threads of the engine thread (None: torch's default)."""
         self.engine = engine
-        setup = None if engine_threads is None else partial(torch.set_num_threads, engine_threads)
-        self.batcher = DynamicBatcher(
+        self.batcher = engine_batcher(
             partial(verify_and_commit, engine),
+            engine.slots,
+            "target-engine",
             max_batch_size,
             max_wait_us,
-            "target-engine",
-            setup,
-            lambda: engine.slots.num_active,
+            engine_threads,
         )
 
     async def open(self, sampling: SamplingParams) -> TargetSequence:
