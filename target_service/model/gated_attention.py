@@ -67,9 +67,7 @@ class GatedAttention(nn.Module):
         key_cache[slots, start:end] = k.to(key_cache.dtype)
         value_cache[slots, start:end] = v.to(value_cache.dtype)
         keys, values = key_cache[slots, :end], value_cache[slots, :end]
-        key_pos = torch.arange(end, device=q.device)
-        query_pos = torch.arange(start, end, device=q.device)
-        visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        visible = causal_visibility(start, num_tokens, q.device)
         out = attend_masked(q, keys, values, visible, self.scale)
         return out.reshape(num_seqs, num_tokens, -1)
 
@@ -90,7 +88,12 @@ class GatedAttention(nn.Module):
         if is_verify:
             ranges = [(0, start + t + 1) for t in range(num_tokens)]
             return attend_each_query(q, keys, values, ranges, self.scale)
-        key_pos = torch.arange(start + num_tokens, device=q.device)
-        query_pos = torch.arange(start, start + num_tokens, device=q.device)
-        visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        visible = causal_visibility(start, num_tokens, q.device)
         return attend_masked(q, keys, values, visible, self.scale)
+
+
+def causal_visibility(start: int, num_tokens: int, device) -> torch.Tensor:
+    """bool [T, start + T]: new token t (at position start + t) sees keys 0..start + t."""
+    key_pos = torch.arange(start + num_tokens, device=device)
+    query_pos = torch.arange(start, start + num_tokens, device=device)
+    return key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
