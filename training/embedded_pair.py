@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from bench.timing import run_facts
 from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS
 from target_service.model.loader import load_target_model
 from training.corpus import (
@@ -89,28 +89,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def current_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     target_dir, drafter_dir = args.out_dir / "target", args.out_dir / "drafter"
-    record: dict = {
-        "command": "python -m training.embedded_pair " + " ".join(argv or sys.argv[1:]),
-        "commit": args.commit or current_commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    record = run_facts("python -m training.embedded_pair " + " ".join(argv or sys.argv[1:]))
+    record |= {
+        "commit": args.commit or record["commit"],
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__,
         "seed": args.seed,
     }
 

@@ -45,6 +45,28 @@ def learning_rate(step: int, progress: float, settings: OptimSettings) -> float:
     return settings.peak_lr * (floor + (1 - floor) * cosine)
 
 
+def mixed_precision(device: torch.device) -> torch.autocast:
+    """bf16 autocast on a GPU; plain fp32 on the CPU (the tests' reference numerics)."""
+    return torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+
+
+def apply_update(
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    step: int,
+    progress: float,
+    settings: OptimSettings,
+) -> None:
+    """One optimiser update at the schedule's learning rate, gradients clipped to norm 1."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, progress, settings)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
+
+
 def run_steps(
     run_step: Callable[[int, float], float],
     num_steps: int | None,

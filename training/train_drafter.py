@@ -14,9 +14,10 @@ from drafter_service.model.loader import load_drafter
 from training.drafter_blocks import block_logits, block_loss, sample_anchors
 from training.schedule import (
     OptimSettings,
-    learning_rate,
+    apply_update,
     loss_summary,
     make_optimizer,
+    mixed_precision,
     run_steps,
 )
 from training.target_lm import forward_rows
@@ -70,13 +71,11 @@ def train_drafter(
     taps_ids = drafter.config.target_layer_ids
     generator = torch.Generator().manual_seed(settings.seed)
     optimizer = make_optimizer(drafter.parameters(), settings.optim)
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    autocast = mixed_precision(device)
     accuracy_sum = torch.zeros(drafter.config.block_size - 1)
     accuracy_count = [0]
 
     def run_step(step: int, progress: float) -> float:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, progress, settings.optim)
         picks = torch.randint(len(sequences), (settings.batch_seqs,), generator=generator)
         token_ids, lengths, first = make_batch([sequences[i] for i in picks], pad_id, device)
         anchors = sample_anchors(first, lengths.cpu(), settings.anchors_per_seq, generator)
@@ -86,10 +85,7 @@ def train_drafter(
         with autocast:
             logits = block_logits(drafter, taps, token_ids, anchors)
         loss, accuracy = block_loss(logits, token_ids, anchors, lengths)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        optimizer.step()
+        apply_update(optimizer, loss, step, progress, settings.optim)
         if progress >= 0.95 and accuracy.numel():  # the last 5 % of the run
             accuracy_sum.add_(accuracy.cpu())
             accuracy_count[0] += 1

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from training.schedule import OptimSettings, learning_rate, loss_summary, make_optimizer, run_steps
+from training.schedule import (
+    OptimSettings,
+    apply_update,
+    loss_summary,
+    make_optimizer,
+    mixed_precision,
+    run_steps,
+)
 from training.target_lm import lm_loss
 
 IGNORE_INDEX = -100
@@ -84,20 +91,15 @@ def train_target(model, sequences: list[list[int]], settings: TargetTraining, lo
     torch.manual_seed(settings.seed)
     optimizer = make_optimizer(model.parameters(), settings.optim)
     stream = BatchStream(sequences, settings)
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    autocast = mixed_precision(device)
     seen_tokens = [0]
 
     def run_step(step: int, progress: float) -> float:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, progress, settings.optim)
         inputs, labels = (t.to(device, non_blocking=True) for t in stream.next_batch())
         seen_tokens[0] += int((labels != IGNORE_INDEX).sum())
         with autocast:
             loss = lm_loss(model, inputs, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        apply_update(optimizer, loss, step, progress, settings.optim)
         return loss.item()
 
     num_steps, losses, seconds = run_steps(
