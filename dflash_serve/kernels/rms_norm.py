@@ -1,0 +1,237 @@
+"""Row-independent RMSNorm and gated RMSNorm for the verify/decode path.
+
+torch's reduction kernels on the GPU choose how to split a row's Σx² from the number of rows,
+so a token's low bits would depend on how many tokens share the launch. Here one program
+normalises one row and the reduction block is fixed by D alone (next power of two ≥ D, masked
+lanes add zero), so a row's result is the same alone, in a 16-token block or in a batch.
+
+Everything that is not the reduction follows `dflash_serve.layers.norms` step for step: the
+same fp32 operations in the same order, the same roundings to bf16, IEEE division, and on the
+GPU libdevice's `expf`/`rsqrtf`, the functions torch's CUDA kernels call (Triton's own `tl.exp`
+and `/` are approximate there). The interpreter has no libdevice and uses numpy's instead.
+The `*_reference` functions run the torch modules themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dflash_serve.kernels import is_interpreting
+from dflash_serve.layers.norms import GatedRMSNorm, RMSNorm
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _inv_rms(x, D: tl.constexpr, eps, INTERPRETED: tl.constexpr):
+    """rsqrt(mean(x²) + eps) of one fp32 row padded with zeros.
+
+    The mean divides by D (IEEE), as torch does on CPU; torch on CUDA multiplies by 1/D. Both
+    belong to the reduction, the one step allowed to differ.
+    """
+    mean_sq = tl.div_rn(tl.sum(x * x, axis=0), D * 1.0)
+    if INTERPRETED:
+        return tl.rsqrt(mean_sq + eps)
+    return libdevice.rsqrt(mean_sq + eps)
+
+
+@triton.jit
+def _exp(x, INTERPRETED: tl.constexpr):
+    if INTERPRETED:
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 `x` rounded to nearest even in DTYPE; the interpreter's own cast truncates bf16."""
+    if INTERPRETED and DTYPE == tl.bfloat16:  # noqa: SIM300 (DTYPE is a constexpr)
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True).to(DTYPE)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr,
+    x_stride_a, x_stride_b, out_stride_a, out_stride_b, num_rows_b, eps,
+    D: tl.constexpr, BLOCK: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_a = row // num_rows_b
+    row_b = row % num_rows_b
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row_a * x_stride_a + row_b * x_stride_b + cols, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        scale = 1.0 + scale
+    y = (x * _inv_rms(x, D, eps, INTERPRETED)) * scale
+    out_ptrs = out_ptr + row_a * out_stride_a + row_b * out_stride_b + cols
+    tl.store(out_ptrs, _round(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, gate_ptr, w_ptr, out_ptr,
+    x_stride_a, x_stride_b, gate_stride_a, gate_stride_b, out_stride_a, out_stride_b,
+    num_rows_b, eps,
+    D: tl.constexpr, BLOCK: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_a = row // num_rows_b
+    row_b = row % num_rows_b
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row_a * x_stride_a + row_b * x_stride_b + cols, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    normed = x * _inv_rms(x, D, eps, INTERPRETED)
+    normed = _round(normed, x_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    weighted = _round(w * normed, PRODUCT_DTYPE, INTERPRETED).to(tl.float32)
+    gate_ptrs = gate_ptr + row_a * gate_stride_a + row_b * gate_stride_b + cols
+    z = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    silu_z = z * tl.div_rn(1.0, 1.0 + _exp(-z, INTERPRETED))
+    y = weighted * silu_z
+    out_ptrs = out_ptr + row_a * out_stride_a + row_b * out_stride_b + cols
+    tl.store(out_ptrs, _round(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centred: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`RMSNorm` over the last dim: `x̂ · (1 + w)` if `zero_centred` else `x̂ · w`.
+
+    x: [..., D] bf16/fp16/fp32 (leading dims are rows; views with a unit last stride are read
+    in place); weight: [D], any float dtype; out: optional [..., D] tensor of x's dtype,
+    viewable as rows (it may be `x`). Returns `out`, or a new contiguous tensor like x.
+    Only the order of Σx² differs from `RMSNorm.forward`; no host synchronisation.
+    """
+    _check_input(x, weight)
+    out = _prepare_out(x, out)
+    if x.numel() == 0:
+        return out
+    x_rows, out_rows = _rows(x), _row_view(out)
+    dim = x.shape[-1]
+    block = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(x_rows.shape[0] * x_rows.shape[1],)](
+        x_rows, weight, out_rows,
+        x_rows.stride(0), x_rows.stride(1), out_rows.stride(0), out_rows.stride(1),
+        x_rows.shape[1], eps,
+        D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, INTERPRETED=is_interpreting(),
+        num_warps=_num_warps(block),
+    )  # fmt: skip
+    return out
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`GatedRMSNorm`: `(w · x̂.to(x.dtype)) ⊙ silu(gate)` per row of the last dim.
+
+    x: [..., D] bf16/fp16/fp32; gate: x's shape, any float dtype; weight: [D], any float
+    dtype (`w · x̂` is rounded to the promoted dtype of weight and x, as torch does); out: as
+    in `rms_norm`. Only the order of Σx² differs from `GatedRMSNorm.forward`.
+    """
+    _check_input(x, weight)
+    if gate.shape != x.shape:
+        raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if not gate.is_floating_point() or gate.device != x.device:
+        actual = f"{gate.dtype} on {gate.device}"
+        raise ValueError(f"gate must be a float tensor on {x.device}, got {actual}")
+    out = _prepare_out(x, out)
+    if x.numel() == 0:
+        return out
+    x_rows, gate_rows, out_rows = _rows(x), _rows(gate), _row_view(out)
+    dim = x.shape[-1]
+    block = triton.next_power_of_2(dim)
+    product_dtype = _TL_DTYPES.get(torch.promote_types(weight.dtype, x.dtype), tl.float32)
+    _gated_rms_norm_kernel[(x_rows.shape[0] * x_rows.shape[1],)](
+        x_rows, gate_rows, weight, out_rows,
+        x_rows.stride(0), x_rows.stride(1), gate_rows.stride(0), gate_rows.stride(1),
+        out_rows.stride(0), out_rows.stride(1), x_rows.shape[1], eps,
+        D=dim, BLOCK=block, PRODUCT_DTYPE=product_dtype, INTERPRETED=is_interpreting(),
+        num_warps=_num_warps(block),
+    )  # fmt: skip
+    return out
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool
+) -> torch.Tensor:
+    """`RMSNorm.forward` with the given weight (torch's own reductions)."""
+    module = RMSNorm(weight.shape[0], eps, zero_centred)
+    return torch.func.functional_call(module, {"weight": weight}, (x,))
+
+
+def gated_rms_norm_reference(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`GatedRMSNorm.forward` with the given weight (torch's own reductions)."""
+    module = GatedRMSNorm(weight.shape[0], eps)
+    return torch.func.functional_call(module, {"weight": weight}, (x, gate))
+
+
+def _check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if not weight.is_floating_point() or weight.device != x.device:
+        actual = f"{weight.dtype} on {weight.device}"
+        raise ValueError(f"weight must be a float tensor on {x.device}, got {actual}")
+
+
+def _prepare_out(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        expected = f"{x.dtype} {tuple(x.shape)} on {x.device}"
+        raise ValueError(f"out must be {expected}, got {out.dtype} {tuple(out.shape)}")
+    if x.numel() > 0 and _row_view(out) is None:
+        raise ValueError(f"out must be viewable as rows, got strides {out.stride()}")
+    return out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[A, B, D] with unit last stride: rows are (a, b); copies only if no such view exists."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 1:
+        return t.view(1, 1, -1)
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def _row_view(t: torch.Tensor) -> torch.Tensor | None:
+    """Like `_rows` but never copies (for `out`); None if `t` has no such view."""
+    if t.stride(-1) != 1:
+        return None
+    if t.dim() == 1:
+        return t.view(1, 1, -1)
+    try:
+        return t.view(-1, t.shape[-2], t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _num_warps(block: int) -> int:
+    """From the row block only, never from the row count: the reduction tree depends on it."""
+    return min(8, max(1, block // 256))

@@ -1,0 +1,426 @@
+"""`y = x @ Wᵀ` for the verify/decode rows (M = 1..128), dense bf16 or 4-bit, row-independent.
+
+Speculative output equals target-only output only if a token's result does not depend on how
+many tokens share the launch. Rows are processed in tiles of `BLOCK_M` = 16 and every launch
+parameter comes from the weight's shape and kind alone (`matmul_config`), so each row tile
+runs the same instruction sequence over K whatever M is; padded rows are masked to zero and
+never mix with real ones. Split-K partials are summed by a second kernel in a fixed order,
+never with atomics.
+
+4-bit weights (AutoAWQ GEMM or compressed-tensors) are repacked once at load into one layout
+(`RepackedInt4`); the kernel rebuilds each weight tile as `((q - z).to(fp32) * s).to(bf16)`,
+bit for bit `PackedInt4Weight.dequantize(torch.bfloat16)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash_serve.checkpoint.int4_formats import (
+    AWQ_GEMM,
+    AWQ_NIBBLE_OF_COLUMN,
+    COMPRESSED_TENSORS,
+    CT_OFFSET,
+    NIBBLES_PER_WORD,
+    PackedInt4Weight,
+    _pack_nibbles,
+    _unpack_nibbles,
+)
+from dflash_serve.kernels import is_interpreting
+
+BLOCK_M = 16
+NUM_SMS = 132  # H200; a constant, so the config never depends on the machine either
+MIN_PROGRAMS = 2 * NUM_SMS
+MAX_BLOCK_N = 64
+BLOCK_K = 64
+INT4_BLOCK_K = 256  # 32 packed words per step: 8 dots of depth 32, one per nibble
+MIN_BLOCKS_PER_SPLIT = 2
+MIN_DOT_K = 16
+REDUCE_BLOCK = 1024
+TUNED_CONFIGS_PATH = Path(__file__).with_name("row_matmul_configs.json")
+
+
+@dataclass(frozen=True, eq=False)
+class RepackedInt4:
+    """A 4-bit weight [N, K] in the layout `row_matmul` reads, whatever its checkpoint format.
+
+    qweight: int32 [K/8, N], nibble i (bits 4i..4i+3) of word j, column n is q[n, 8j + i];
+    scales: fp32 [K/g, N]; zeros: uint8 [K/g, N]. W[n, k] = (q - z) * s. N is the fast axis
+    so a tile of outputs reads contiguous memory; fp32 scales are exact copies of the stored
+    fp16/bf16 ones.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    out_features: int
+    in_features: int
+    group_size: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K]: (q - z) * s exact in fp32, then one cast to `dtype`."""
+        shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=self.qweight.device)
+        q = (self.qweight.to(torch.int64)[:, None, :] >> shifts[None, :, None]) & 0xF
+        q = q.reshape(self.in_features, self.out_features)
+        zeros = self.zeros.to(torch.int64).repeat_interleave(self.group_size, dim=0)
+        scales = self.scales.repeat_interleave(self.group_size, dim=0)
+        return ((q - zeros).float() * scales).t().contiguous().to(dtype)
+
+
+def concat_repacked(weights: list[RepackedInt4]) -> RepackedInt4:
+    """Weights of one input (same K and group size) stacked along N: one matmul for all."""
+    first = weights[0]
+    if any((w.in_features, w.group_size) != (first.in_features, first.group_size) for w in weights):
+        raise ValueError("weights: stacking needs one in_features and group_size for all")
+    return RepackedInt4(
+        qweight=torch.cat([w.qweight for w in weights], dim=1).contiguous(),
+        scales=torch.cat([w.scales for w in weights], dim=1).contiguous(),
+        zeros=torch.cat([w.zeros for w in weights], dim=1).contiguous(),
+        out_features=sum(w.out_features for w in weights),
+        in_features=first.in_features,
+        group_size=first.group_size,
+    )
+
+
+def repack_int4(packed: PackedInt4Weight) -> RepackedInt4:
+    """AWQ GEMM or compressed-tensors -> `RepackedInt4`, on the packed tensors' device (once).
+
+    Needs K % 8 == 0 (whole words along K) and group_size a multiple of 16 dividing K (so
+    the 8 inputs of a word share one group; real checkpoints use 32..128).
+    """
+    n, k, group_size = packed.out_features, packed.in_features, packed.group_size
+    if k % NIBBLES_PER_WORD:
+        raise ValueError(f"packed: in_features must be a multiple of 8, got {k}")
+    if group_size <= 0 or k % group_size or group_size % MIN_DOT_K:
+        raise ValueError(
+            f"packed: group_size must be a multiple of {MIN_DOT_K} dividing K={k}, got {group_size}"
+        )
+    tensors = packed.tensors
+    if packed.format == AWQ_GEMM:
+        q = _unpack_nibbles(tensors["qweight"])[..., AWQ_NIBBLE_OF_COLUMN].flatten(1)
+        qweight = _pack_nibbles(q.t()).t()
+        zeros = _unpack_nibbles(tensors["qzeros"])[..., AWQ_NIBBLE_OF_COLUMN].flatten(1)
+        scales = tensors["scales"]
+    elif packed.format == COMPRESSED_TENSORS:
+        qweight = tensors["weight_packed"].t()
+        if "weight_zero_point" in tensors:
+            zeros = _unpack_nibbles(tensors["weight_zero_point"].t()).flatten(1)[:, :n]
+        else:
+            zeros = torch.full((k // group_size, n), CT_OFFSET, device=qweight.device)
+        scales = tensors["weight_scale"].t()
+    else:
+        raise ValueError(f"packed: unknown format {packed.format!r}")
+    return RepackedInt4(
+        qweight=qweight.to(torch.int32).contiguous(),
+        scales=scales.float().contiguous(),
+        zeros=zeros.to(torch.uint8).contiguous(),
+        out_features=n,
+        in_features=k,
+        group_size=group_size,
+    )
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """One launch: row tiles of block_m, output tiles of block_n, K in split_k slices of
+    k_per_split (a multiple of block_k; the last may be shorter), block_k per loop step."""
+
+    block_n: int
+    block_k: int
+    k_per_split: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    block_m: int = BLOCK_M
+    int4_kernel: str = "nibbles"  # "tiles" (BLOCK_K within a group) or "nibbles"
+
+
+def matmul_config(n: int, k: int, group_size: int | None = None) -> MatmulConfig:
+    """Launch parameters for an [N, K] weight: dense bf16 if `group_size` is None, else 4-bit.
+
+    Depends on (N, K, kind) only, never on the row count: that is what makes rows independent.
+    Decode and verify are memory-bound (each row tile streams the whole weight once), so the
+    aim is to keep every SM streaming: SPLIT_K is the smallest split (in whole BLOCK_K blocks)
+    that gives at least 2 × 132 programs for one row tile, but every split keeps a loop of at
+    least 2 blocks to pipeline. Qwen3.5-4B: 3 for (8192, 2560), 20 for (1024, 2560), 7 for
+    (2560, 4096) and (2560, 9216), 2 for (9216, 2560), 1 for the lm_head. The extra traffic,
+    fp32 partials [SPLIT_K, M, N] written and summed once, is small beside the weight for
+    M <= 128. A 4-bit step reads INT4_BLOCK_K / 8 packed words per column once and gathers
+    each word's scale/zero, so a step may span groups. num_warps/num_stages are plain
+    defaults for a memory-bound tile, not tuned per shape.
+    """
+    tuned = tuned_configs().get(config_key(n, k, group_size))
+    if tuned is not None:
+        return MatmulConfig(**tuned)
+    block_n = max(MIN_DOT_K, min(MAX_BLOCK_N, triton.next_power_of_2(n)))
+    block_k = BLOCK_K if group_size is None else INT4_BLOCK_K
+    num_tiles = triton.cdiv(n, block_n)
+    num_blocks = triton.cdiv(k, block_k)
+    wanted_splits, blocks_per_split = 1, num_blocks
+    while (
+        num_tiles * triton.cdiv(num_blocks, blocks_per_split) < MIN_PROGRAMS
+        and blocks_per_split > MIN_BLOCKS_PER_SPLIT
+    ):
+        wanted_splits += 1
+        blocks_per_split = max(MIN_BLOCKS_PER_SPLIT, triton.cdiv(num_blocks, wanted_splits))
+    return MatmulConfig(
+        block_n=block_n,
+        block_k=block_k,
+        k_per_split=blocks_per_split * block_k,
+        split_k=triton.cdiv(num_blocks, blocks_per_split),
+        num_warps=4,
+        num_stages=3,
+    )
+
+
+def config_key(n: int, k: int, group_size: int | None) -> str:
+    return f"dense:{n}x{k}" if group_size is None else f"int4:{n}x{k}:g{group_size}"
+
+
+@functools.cache
+def tuned_configs() -> dict[str, dict]:
+    """Per-shape launch configs measured on an H200 (bench/tune_row_matmul.py), by
+    `config_key`; shapes not listed use the heuristic of `matmul_config`."""
+    if not TUNED_CONFIGS_PATH.exists():
+        return {}
+    return json.loads(TUNED_CONFIGS_PATH.read_text())["configs"]
+
+
+@triton.jit
+def _dot_acc(x, w, acc, DOT_IN_FP32: tl.constexpr):
+    if DOT_IN_FP32:
+        acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit
+def to_bf16(x, ROUND_ON_BITS: tl.constexpr):
+    """fp32 -> bf16, rounding to nearest even.
+
+    The interpreter's cast truncates (Triton 3.9), so there the rounding is done on the bits
+    of finite values first and the cast only drops zero bits; compiled casts round already.
+    """
+    if ROUND_ON_BITS:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _store_tile(
+    out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om,
+    SPLIT_K: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+):  # fmt: skip
+    """bf16 into out, or fp32 into split `program_id(2)` of the partials [SPLIT_K, M, N]."""
+    ptrs = out_ptr + tl.program_id(2) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLIT_K > 1:
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        tl.store(ptrs, to_bf16(acc, ROUND_ON_BITS), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "stride_os"])
+def _dense_kernel(
+    x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_os, stride_om,
+    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * K_PER_SPLIT
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+        w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc = _dot_acc(x, w, acc, DOT_IN_FP32)
+    _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, SPLIT_K, ROUND_ON_BITS)
+
+
+@triton.jit(do_not_specialize=["M", "stride_os"])
+def _int4_tiles_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, stride_xm, stride_os, stride_om,
+    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_K, BLOCK_N] weight tile per step, within one group; each packed word is
+    read by the 8 rows of its nibbles (L1 hits: DRAM sees it once)."""
+    tl.static_assert(GROUP_SIZE % BLOCK_K == 0)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
+    k_start = tl.program_id(2) * K_PER_SPLIT
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
+        q_ptrs = q_ptr + (offs_k[:, None] // 8) * N + offs_n[None, :]
+        q = (tl.load(q_ptrs, mask=n_mask[None, :], other=0) >> shifts[:, None]) & 0xF
+        group = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
+        z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.int32)
+        w = to_bf16((q - z[None, :]).to(tl.float32) * s[None, :], ROUND_ON_BITS)
+        acc = _dot_acc(x, w, acc, DOT_IN_FP32)
+    _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, SPLIT_K, ROUND_ON_BITS)
+
+
+@triton.jit(do_not_specialize=["M", "stride_os"])
+def _int4_nibbles_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, stride_xm, stride_os, stride_om,
+    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+):  # fmt: skip
+    """Each packed word is loaded once: nibble i of the BLOCK_K/8 words of a step holds
+    inputs k0 + 8r + i, so the step is 8 dots of depth BLOCK_K/8, one per nibble, each
+    against the matching strided columns of x (a fixed order: step, then nibble)."""
+    tl.static_assert(GROUP_SIZE % 8 == 0)
+    WORDS: tl.constexpr = BLOCK_K // 8
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, WORDS)
+    m_mask = offs_m[:, None] < M
+    k_start = tl.program_id(2) * K_PER_SPLIT
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+        first_inputs = k0 + 8 * offs_w  # input of nibble 0 of each word
+        tile_mask = (first_inputs[:, None] < K) & (offs_n[None, :] < N)
+        words = tl.load(
+            q_ptr + (first_inputs[:, None] // 8) * N + offs_n[None, :], mask=tile_mask, other=0
+        )
+        groups = first_inputs[:, None] // GROUP_SIZE  # all 8 nibbles of a word share a group
+        s = tl.load(s_ptr + groups * N + offs_n[None, :], mask=tile_mask, other=0.0)
+        z = tl.load(z_ptr + groups * N + offs_n[None, :], mask=tile_mask, other=0).to(tl.int32)
+        for i in tl.static_range(8):
+            q = (words >> (4 * i)) & 0xF
+            w = to_bf16((q - z).to(tl.float32) * s, ROUND_ON_BITS)
+            inputs = first_inputs + i
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + inputs[None, :]
+            x = tl.load(x_ptrs, mask=m_mask & (inputs[None, :] < K), other=0.0)
+            acc = _dot_acc(x, w, acc, DOT_IN_FP32)
+    _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, SPLIT_K, ROUND_ON_BITS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(
+    partial_ptr, out_ptr, M, stride_om,
+    N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):
+        acc += tl.load(partial_ptr + split * M * N + offs, mask=mask, other=0.0)
+    out_ptrs = out_ptr + (offs // N) * stride_om + offs % N
+    tl.store(out_ptrs, to_bf16(acc, ROUND_ON_BITS), mask=mask)
+
+
+def row_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor | RepackedInt4,
+    out: torch.Tensor | None = None,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """`x @ weightᵀ` with fp32 accumulation and one rounding to bf16; rows are independent.
+
+    x: bf16 [M, K] with unit last stride; weight: bf16 [N, K] with unit last stride, or a
+    `RepackedInt4` of [N, K]; out: optional bf16 [M, N] with unit last stride. Returns out
+    (or a new [M, N] tensor). Row m of the result is bit-identical for any M. No host
+    synchronisation; the only allocation (split-K partials) depends on shapes alone.
+    """
+    n, k = _check_weight(weight, x)
+    _check_x(x, k)
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    _check_out(out, m, n, x.device)
+    if m == 0:
+        return out
+    is_int4 = isinstance(weight, RepackedInt4)
+    if config is None:  # (explicit configs: tuning and tests only, never per call site)
+        config = matmul_config(n, k, weight.group_size if is_int4 else None)
+    target = out
+    if config.split_k > 1:
+        target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
+    stride_os, stride_om = (m * n, n) if config.split_k > 1 else (0, out.stride(0))
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, config.block_n), config.split_k)
+    shape_args = {"N": n, "K": k, "K_PER_SPLIT": config.k_per_split, "BLOCK_M": BLOCK_M}
+    shape_args |= {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT_K": config.split_k}
+    is_interpreted = is_interpreting()
+    launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
+    launch_args |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if is_int4:
+        kernel = _int4_tiles_kernel if config.int4_kernel == "tiles" else _int4_nibbles_kernel
+        kernel[grid](
+            x, weight.qweight, weight.scales, weight.zeros, target,
+            m, x.stride(0), stride_os, stride_om,
+            GROUP_SIZE=weight.group_size, **shape_args, **launch_args,
+        )  # fmt: skip
+    else:
+        _dense_kernel[grid](
+            x, weight, target, m, x.stride(0), weight.stride(0), stride_os, stride_om,
+            **shape_args, **launch_args,
+        )  # fmt: skip
+    if config.split_k > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            target, out, m, out.stride(0), N=n, SPLIT_K=config.split_k, BLOCK=REDUCE_BLOCK,
+            ROUND_ON_BITS=is_interpreted, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def row_matmul_reference(x: torch.Tensor, weight: torch.Tensor | RepackedInt4) -> torch.Tensor:
+    """fp32 [M, N]: `x.float() @ w.float()ᵀ`, w the bf16 weight (4-bit: dequantized to bf16)."""
+    if isinstance(weight, RepackedInt4):
+        weight = weight.dequantize(torch.bfloat16)
+    return x.float() @ weight.float().t()
+
+
+def _check_weight(weight: torch.Tensor | RepackedInt4, x: torch.Tensor) -> tuple[int, int]:
+    if isinstance(weight, RepackedInt4):
+        if weight.qweight.device != x.device:
+            raise ValueError(f"weight must be on {x.device}, got {weight.qweight.device}")
+        return weight.out_features, weight.in_features
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"weight must be a tensor or RepackedInt4, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.stride(-1) != 1:
+        raise ValueError(f"weight must be bf16 [N, K] with unit last stride, got {weight.dtype} "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")  # fmt: skip
+    if weight.device != x.device:
+        raise ValueError(f"weight must be on {x.device}, got {weight.device}")
+    return weight.shape[0], weight.shape[1]
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16, got {x.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have a unit last stride, got strides {x.stride()}")
+
+
+def _check_out(out: torch.Tensor, m: int, n: int, device: torch.device) -> None:
+    if out.shape != (m, n) or out.dtype != torch.bfloat16 or out.device != device:
+        raise ValueError(f"out must be bf16 ({m}, {n}) on {device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")  # fmt: skip
+    if out.stride(1) != 1:
+        raise ValueError(f"out must have a unit last stride, got strides {out.stride()}")

@@ -1,0 +1,206 @@
+"""row_matmul against a plain fp32 product, and row independence bit for bit.
+
+Tolerance: the kernel sums in fp32 and rounds once to bf16, a relative error of at most 2^-8;
+its fp32 summation order differs from torch's, which costs far less than 2^-10 of the output
+scale at these K. So |y - ref| <= 2^-8·|ref| + 2^-10·max|ref|, with ref the fp32 product of
+the bf16 input and the bf16 weight (4-bit: dequantized to bf16 by `PackedInt4Weight`, the
+module's oracle). Where the product is exact (one-hot rows) and for row independence the
+comparison is bit for bit.
+"""
+
+import pytest
+import torch
+
+from dflash_serve.checkpoint.int4_formats import (
+    AWQ_GEMM,
+    COMPRESSED_TENSORS,
+    PackedInt4Weight,
+    pack_awq_gemm,
+    pack_compressed_tensors,
+)
+from dflash_serve.kernels.row_matmul import (
+    BLOCK_M,
+    matmul_config,
+    repack_int4,
+    row_matmul,
+    row_matmul_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KINDS = ["dense", "awq", "ct_symmetric", "ct_asymmetric"]
+# (N, K, group): N tiles masked or two with a ragged one; SPLIT_K 1 and > 1 for both kinds,
+# ragged last splits (dense: 3 splits over 5 blocks; 4-bit: 512 + 512 + 64 inputs, the last
+# step mostly masked), 4-bit steps spanning several groups, a dense K tail;
+# test_shapes_cover_both_split_paths checks the splits.
+SHAPES = [(48, 64, 32), (40, 320, 64), (80, 96, 32), (40, 1088, 32)]
+QWEN35_4B_SHAPES = {
+    "q_proj": (8192, 2560),
+    "k_proj": (1024, 2560),
+    "o_proj": (2560, 4096),
+    "in_proj_z": (4096, 2560),
+    "in_proj_a": (32, 2560),
+    "gate_up": (9216, 2560),
+    "down": (2560, 9216),
+    "lm_head": (248320, 2560),
+}
+QWEN35_GROUP = 128
+
+
+def random_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(n, k, generator=generator, device=DEVICE) * 0.05
+
+
+def random_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(m, k, generator=generator, device=DEVICE).bfloat16()
+
+
+def make_weight(kind: str, n: int, k: int, group_size: int, seed: int = 0):
+    """(weight for row_matmul, its bf16 [N, K] oracle)."""
+    weight = random_weight(n, k, seed)
+    if kind == "dense":
+        dense = weight.bfloat16()
+        return dense, dense
+    if kind == "awq":
+        packed = PackedInt4Weight(AWQ_GEMM, n, k, group_size, pack_awq_gemm(weight, group_size))
+    else:
+        tensors = pack_compressed_tensors(weight, group_size, kind == "ct_symmetric")
+        packed = PackedInt4Weight(COMPRESSED_TENSORS, n, k, group_size, tensors)
+    return repack_int4(packed), packed.dequantize(torch.bfloat16)
+
+
+def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, oracle: torch.Tensor) -> None:
+    reference = row_matmul_reference(x, oracle)
+    assert y.dtype == torch.bfloat16 and reference.dtype == torch.float32
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(y.float(), reference, rtol=2**-8, atol=2**-10 * scale)
+
+
+def test_shapes_cover_both_split_paths():
+    dense_splits = [matmul_config(n, k).split_k for n, k, _ in SHAPES]
+    int4_splits = [matmul_config(n, k, group_size).split_k for n, k, group_size in SHAPES]
+    for splits in (dense_splits, int4_splits):
+        assert 1 in splits and max(splits) > 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(kind, shape):
+    n, k, group_size = shape
+    weight, oracle = make_weight(kind, n, k, group_size)
+    x = random_rows(37, k, seed=1)
+    assert_close_to_reference(row_matmul(x, weight), x, oracle)
+
+
+@pytest.mark.parametrize("kind", KINDS[1:])
+def test_repack_dequantizes_like_packed(kind):
+    weight, oracle = make_weight(kind, *SHAPES[2])
+    assert torch.equal(weight.dequantize(torch.bfloat16), oracle)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_one_hot_rows_pick_weight_columns(kind, shape):
+    """x = I gives y[k, n] = w[n, k] exactly: the weight tile is the oracle, bit for bit."""
+    n, k, group_size = shape
+    weight, oracle = make_weight(kind, n, k, group_size)
+    step = max(1, k // 64)  # every group and split, in a few row tiles
+    eye = torch.eye(k, device=DEVICE, dtype=torch.bfloat16)[::step]
+    assert torch.equal(row_matmul(eye, weight), oracle.t()[::step])
+
+
+def assert_rows_independent(x: torch.Tensor, weight) -> None:
+    """Rows of an M=16 call equal the same rows computed alone, with M=5 and with M=37."""
+    assert x.shape[0] == 37
+    y16 = row_matmul(x[:BLOCK_M], weight)
+    assert torch.equal(row_matmul(x[:5], weight), y16[:5])
+    y37 = row_matmul(x, weight)
+    assert torch.equal(y37[:BLOCK_M], y16)
+    for row in range(BLOCK_M):
+        assert torch.equal(row_matmul(x[row : row + 1], weight)[0], y16[row])
+    # The ragged last tile, and rows of another tile moved to the front of a launch.
+    assert torch.equal(row_matmul(x[32:], weight), y37[32:])
+    assert torch.equal(row_matmul(x[30:35], weight), y37[30:35])
+
+
+@pytest.mark.parametrize("kind", ["dense", "awq", "ct_asymmetric"])
+@pytest.mark.parametrize("shape", SHAPES[1:])
+def test_rows_independent(kind, shape):
+    n, k, group_size = shape
+    weight, _ = make_weight(kind, n, k, group_size)
+    assert_rows_independent(random_rows(37, k, seed=2), weight)
+
+
+def test_split_sum_order_is_fixed():
+    """Splits 0 and 1 cancel exactly (p + -p) and dwarf split 2, so in order 0, 1, 2 the sum
+    is split 2's partial while any other order loses its low bits: a sum order that changed
+    with M would show in the bf16 output, which random inputs mostly hide."""
+    n, k, _ = SHAPES[1]
+    config = matmul_config(n, k)
+    num_cancelling = config.k_per_split
+    assert config.split_k == 3 and k > 2 * num_cancelling
+    big = random_weight(n, num_cancelling, seed=7).bfloat16()
+    small = random_weight(n, k - 2 * num_cancelling, seed=8).bfloat16()
+    weight = torch.cat((big, -big, small), dim=1)
+    x_big = random_rows(37, num_cancelling, seed=9) * 2**20
+    x_small = random_rows(37, k - 2 * num_cancelling, seed=10)
+    x = torch.cat((x_big, x_big, x_small), dim=1)
+    assert_close_to_reference(row_matmul(x, weight), x_small, small)
+    assert_rows_independent(x, weight)
+
+
+def test_out_with_row_stride():
+    n, k, group_size = SHAPES[2]
+    weight, _ = make_weight("awq", n, k, group_size)
+    x = random_rows(20, k, seed=3)
+    buffer = torch.zeros(20, n + 8, device=DEVICE, dtype=torch.bfloat16)
+    out = buffer[:, :n]
+    assert row_matmul(x, weight, out=out) is out
+    assert torch.equal(out, row_matmul(x, weight))
+    assert torch.equal(buffer[:, n:], torch.zeros_like(buffer[:, n:]))
+
+
+def test_bad_inputs_raise():
+    dense, _ = make_weight("dense", 48, 64, 32)
+    int4, _ = make_weight("awq", 48, 64, 32)
+    x = random_rows(4, 64, seed=4)
+    for weight in (dense, int4):
+        with pytest.raises(ValueError, match="x must be"):
+            row_matmul(random_rows(4, 32, seed=4), weight)
+        with pytest.raises(ValueError, match="x must be bf16"):
+            row_matmul(x.float(), weight)
+        with pytest.raises(ValueError, match="out must be"):
+            row_matmul(x, weight, out=torch.empty(4, 47, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="weight must be bf16"):
+        row_matmul(x, dense.float())
+    with pytest.raises(ValueError, match="x must have a unit last stride"):
+        row_matmul(random_rows(64, 4, seed=4).t(), dense)
+
+
+def test_repack_rejects_unsupported_groups():
+    weight = random_weight(16, 64, seed=5)
+    bad_k = pack_compressed_tensors(weight[:, :36], 36, symmetric=True)
+    with pytest.raises(ValueError, match="in_features must be a multiple of 8"):
+        repack_int4(PackedInt4Weight(COMPRESSED_TENSORS, 16, 36, 36, bad_k))
+    small_group = pack_compressed_tensors(weight, 8, symmetric=True)
+    with pytest.raises(ValueError, match="group_size must be a multiple of 16"):
+        repack_int4(PackedInt4Weight(COMPRESSED_TENSORS, 16, 64, 8, small_group))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(QWEN35_4B_SHAPES))
+@pytest.mark.parametrize("kind", ["dense", "awq", "ct_asymmetric"])
+def test_qwen35_4b_shapes(kind, name):
+    n, k = QWEN35_4B_SHAPES[name]
+    if kind != "dense" and name == "lm_head":
+        pytest.skip("the lm_head is never quantized")
+    weight, oracle = make_weight(kind, n, k, QWEN35_GROUP)
+    x = random_rows(128, k, seed=6)
+    y128 = row_matmul(x, weight)
+    assert_close_to_reference(y128, x, oracle)
+    assert torch.equal(row_matmul(x[:BLOCK_M], weight), y128[:BLOCK_M])
+    for row in (0, 7, 77, 127):
+        assert torch.equal(row_matmul(x[row : row + 1], weight)[0], y128[row])
+    assert_rows_independent(x[:37], weight)
