@@ -166,9 +166,42 @@ def state_bytes(engine: TargetEngine) -> dict:
 
 
 def build_target(
-    model_dir: Path, max_slots: int, max_len: int, device: str = "cuda", taps=()
+    model_dir: Path,
+    max_slots: int,
+    max_len: int,
+    device: str = "cuda",
+    taps=(),
+    fast_path: bool = True,
 ) -> TargetEngine:
+    """As the target service builds it: on a GPU, Triton kernels and verify graphs for
+    batches of 1..max_slots (unless `fast_path` is off: the plain-torch reference path)."""
     from target_service.model.loader import load_target_model
 
     model = load_target_model(model_dir, torch.bfloat16, device)
-    return TargetEngine(model, StateShape(max_slots, max_len), taps, 2048)
+    graph_batch_sizes = ()
+    if fast_path and device.startswith("cuda"):
+        model.use_gpu_kernels(max_slots * BLOCK)
+        graph_batch_sizes = tuple(range(1, max_slots + 1))
+    shape = StateShape(max_slots, max_len)
+    return TargetEngine(model, shape, taps, 2048, graph_batch_sizes=graph_batch_sizes)
+
+
+def build_drafter(
+    drafter_dir: Path,
+    target_dir: Path,
+    max_slots: int,
+    max_len: int,
+    device: str = "cuda",
+    fast_path: bool = True,
+):
+    """As the drafter service builds it: on a GPU, the Triton attention kernel and draft
+    graphs for batches of 1..max_slots (unless `fast_path` is off)."""
+    from drafter_service.engine import DrafterEngine
+    from drafter_service.model.loader import load_drafter
+
+    model = load_drafter(drafter_dir, target_dir, torch.bfloat16, device)
+    graph_batch_sizes = ()
+    if fast_path and device.startswith("cuda"):
+        model.use_gpu_kernels()
+        graph_batch_sizes = tuple(range(1, max_slots + 1))
+    return DrafterEngine(model, max_slots, max_len, graph_batch_sizes=graph_batch_sizes)

@@ -21,8 +21,6 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-
 from bench import measure_e2e, measure_engine
 from bench.report import write_results
 from bench.timing import empty_cache, hbm_bandwidth_gbps, run_facts
@@ -94,14 +92,10 @@ class Suite:
         )
 
     def layouts(self) -> None:
-        from drafter_service.engine import DrafterEngine
-        from drafter_service.model.loader import load_drafter
 
         self.results["hbm_gbps"] = hbm_bandwidth_gbps(self.device)
-        drafter = DrafterEngine(
-            load_drafter(self.dirs["drafter"], self.dirs["bf16"], torch.bfloat16, self.device),
-            2,
-            4096,
+        drafter = measure_engine.build_drafter(
+            self.dirs["drafter"], self.dirs["bf16"], 2, 4096, self.device
         )
         draft_ms = measure_engine.draft_step_ms(drafter)
         del drafter
@@ -261,18 +255,14 @@ class Suite:
 
     def in_process(self) -> None:
         """The same loop and imposed acceptance without gRPC, for the overhead comparison."""
-        from drafter_service.engine import DrafterEngine
-        from drafter_service.model.loader import load_drafter
         from drafter_service.session import InProcessDrafter
         from target_service.session import InProcessTarget
 
         layout = self.args.e2e_layout
         taps = tuple(self.drafter_config["dflash_config"]["target_layer_ids"])
         engine = measure_engine.build_target(self.dirs[layout], 2, 2048, self.device, taps)
-        drafter_engine = DrafterEngine(
-            load_drafter(self.dirs["drafter"], self.dirs[layout], torch.bfloat16, self.device),
-            2,
-            2048,
+        drafter_engine = measure_engine.build_drafter(
+            self.dirs["drafter"], self.dirs[layout], 2, 2048, self.device
         )
         target = LocalTarget(InProcessTarget(engine))
         drafter = LocalDrafter(InProcessDrafter(drafter_engine))

@@ -24,6 +24,8 @@ class ServiceSettings:
     # spinning on the same cores cost the embedded pair 40 % of its decode speed.
     engine_threads: int = 1
     grace_period_s: float = 5.0
+    # On a GPU: row-independent Triton kernels and CUDA graphs for verify/decode (needs triton).
+    gpu_fast_path: bool = True
     gpu_memory_fraction: float | None = None  # cap for this process on a shared GPU
 
     def apply_memory_cap(self) -> None:

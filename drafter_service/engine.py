@@ -3,6 +3,9 @@
 A draft is the argmax of the drafter's logits at each block position: acceptance is by
 equality with the target's token, so the most likely token is the best proposal whatever
 the target's sampling parameters.
+
+On a model running its GPU kernels, drafts of captured shapes replay a CUDA graph
+(`DraftGraphs`); other shapes run the same kernels eagerly.
 """
 
 from __future__ import annotations
@@ -11,12 +14,27 @@ import torch
 
 from dflash_serve.errors import InvalidRequestError
 from dflash_serve.slots import SlotAllocator
+from drafter_service.draft_graphs import DraftGraphs
 from drafter_service.model.context_cache import DrafterContextCache
 from drafter_service.model.dflash import DFlashDrafter
 
 
 class DrafterEngine:
-    def __init__(self, model: DFlashDrafter, max_slots: int, max_len: int) -> None:
+    def __init__(
+        self,
+        model: DFlashDrafter,
+        max_slots: int,
+        max_len: int,
+        graph_batch_sizes: tuple[int, ...] = (),
+    ) -> None:
+        """graph_batch_sizes: capture CUDA graphs of the full-block draft step for these batch
+        sizes (the model must already run on its GPU kernels, see `use_gpu_kernels`); sizes
+        above max_slots are left out, as no batch of distinct slots reaches them."""
+        if graph_batch_sizes and not model.uses_gpu_kernels:
+            raise ValueError(
+                f"graph_batch_sizes {graph_batch_sizes}: CUDA graphs need a model on its GPU "
+                f"kernels (call model.use_gpu_kernels() first)"
+            )
         self.model = model
         self.config = model.config
         self.vocab_size = model.embed_weight.shape[0]
@@ -25,6 +43,10 @@ class DrafterEngine:
         dtype = model.fc.weight.dtype
         self.cache = DrafterContextCache(self.config, max_slots, max_len, dtype, self.device)
         self.slots = SlotAllocator(max_slots, "drafter")
+        self.graphs: DraftGraphs | None = None
+        batch_sizes = tuple(b for b in graph_batch_sizes if b <= max_slots)
+        if batch_sizes:
+            self.graphs = DraftGraphs(model, self.cache, batch_sizes)
 
     def open_sequence(self) -> int:
         slot = self.slots.acquire()
@@ -62,6 +84,8 @@ class DrafterEngine:
             )
         if len(slots) != len(anchor_ids) or not slots:
             raise InvalidRequestError("draft needs one anchor per slot")
+        if len(set(slots)) != len(slots):
+            raise InvalidRequestError(f"draft got a slot twice: {slots}")
         for slot, anchor in zip(slots, anchor_ids, strict=True):
             self._check_slot(slot)
             if not 0 <= anchor < self.vocab_size:
@@ -70,6 +94,11 @@ class DrafterEngine:
                 raise InvalidRequestError(f"slot {slot}: block would exceed max_len")
         mask = self.config.mask_token_id
         block = [[anchor] + [mask] * num_drafts for anchor in anchor_ids]
+        if self.graphs is not None:
+            starts = [self.cache.lengths[slot] for slot in slots]
+            draft_ids = self.graphs.replay(slots, starts, block)
+            if draft_ids is not None:
+                return draft_ids.tolist()
         ids = torch.tensor(block, device=self.device)
         logits = self.model.draft_logits(self.cache, slots, ids)
         return logits.argmax(dim=-1).tolist()

@@ -42,6 +42,12 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     )
     parser.add_argument("--grace-period-s", type=float, default=5.0, help="drain time on SIGTERM")
     parser.add_argument(
+        "--no-gpu-fast-path",
+        dest="gpu_fast_path",
+        action="store_false",
+        help="on a GPU, run the plain-torch reference path instead of Triton kernels + graphs",
+    )
+    parser.add_argument(
         "--gpu-memory-fraction", type=float, help="cap of this process's share of the GPU (0..1]"
     )
 
@@ -140,6 +146,7 @@ def service_settings(args: argparse.Namespace):
         max_wait_us=args.max_wait_us,
         engine_threads=args.engine_threads,
         grace_period_s=args.grace_period_s,
+        gpu_fast_path=args.gpu_fast_path,
         gpu_memory_fraction=args.gpu_memory_fraction,
     )
 

@@ -22,6 +22,7 @@ from target_service.model.commit import commit_block
 from target_service.model.decoder import Qwen35TextModel
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.state import StateShape, TargetState
+from target_service.verify_graphs import VerifyGraphs
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
@@ -48,8 +49,13 @@ class TargetEngine:
         tap_layer_ids: tuple[int, ...] = (),
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         share_features: bool = False,
+        graph_batch_sizes: tuple[int, ...] = (),
     ) -> None:
-        """share_features: also write taps into a CUDA buffer other processes can map."""
+        """share_features: also write taps into a CUDA buffer other processes can map.
+
+        graph_batch_sizes: capture CUDA graphs of the verify step for these batch sizes
+        (the model must already run on its GPU kernels, see `use_gpu_kernels`).
+        """
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]
         if bad:
@@ -71,6 +77,15 @@ class TargetEngine:
             self.shared_features = SharedFeatureBuffer(
                 shape.max_slots, shape.max_len, width, self.dtype, self.device
             )
+        self.graphs: VerifyGraphs | None = None
+        if graph_batch_sizes:
+            most_rows = max(graph_batch_sizes) * shape.max_block_tokens
+            if model.recurrence_kernel is None or most_rows > model.max_kernel_rows:
+                raise ValueError(
+                    f"graph_batch_sizes {graph_batch_sizes}: verify graphs need the kernel path "
+                    f"for {most_rows} rows; call model.use_gpu_kernels({most_rows}) first"
+                )
+            self.graphs = VerifyGraphs(model, self.state, self.tap_layer_ids, graph_batch_sizes)
 
     def open_sequence(self) -> int:
         """Reserve a slot with empty state; CapacityError when all are in use."""
@@ -124,14 +139,21 @@ class TargetEngine:
                 )
             self.check_block(slot, block)
         starts = tuple(self.state.lengths[s] for s in slots)
-        batch = ForwardBatch(tuple(slots), starts, num_tokens, is_verify=True)
-        ids = torch.tensor(block_ids, device=self.device)
-        hidden, taps = self.model(ids, batch, self.state, self.tap_layer_ids)
+        replayed = None if self.graphs is None else self.graphs.replay(slots, starts, block_ids)
+        if replayed is None:
+            batch = ForwardBatch(tuple(slots), starts, num_tokens, is_verify=True)
+            ids = torch.tensor(block_ids, device=self.device)
+            hidden, taps = self.model(
+                ids, batch.on_device(self.device), self.state, self.tap_layer_ids
+            )
+            logits = self.model.logits(hidden)
+        else:
+            logits, taps = replayed
         for row, slot in enumerate(slots):
             self.state.block_sizes[slot] = num_tokens
             if taps is not None:
                 self._share(slot, starts[row], taps[row])
-        return VerifyResult(self.model.logits(hidden), taps)
+        return VerifyResult(logits, taps)
 
     def check_block(self, slot: int, block_ids: list[int]) -> None:
         """Raise InvalidRequestError unless `block_ids` can be verified on `slot` now."""
@@ -155,7 +177,7 @@ class TargetEngine:
             raise InvalidRequestError(
                 f"slot {slot}: num_kept must be in 1..{block_size}, got {num_kept}"
             )
-        commit_block(self.state, slot, num_kept)
+        commit_block(self.state, slot, num_kept, self.model.recurrence_kernel)
 
     def _share(self, slot: int, start: int, rows: torch.Tensor) -> None:
         """Rows beyond what is later committed are overwritten by the next block."""

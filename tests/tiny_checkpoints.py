@@ -71,9 +71,10 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(noise * 0.3)
 
 
-def write_causal_lm(path: Path, seed: int = 0, **fields) -> Path:
-    """Text-only layout: Qwen3_5ForCausalLM, tensors under `model.`."""
-    config = Qwen3_5TextConfig(**tiny_text_fields(**fields))
+def write_causal_lm(path: Path, seed: int = 0, overrides: dict | None = None, **fields) -> Path:
+    """Text-only layout: Qwen3_5ForCausalLM, tensors under `model.`; `overrides` replaces
+    config fields (sizes) of the tiny defaults."""
+    config = Qwen3_5TextConfig(**(tiny_text_fields(**fields) | (overrides or {})))
     model = Qwen3_5ForCausalLM(config)
     randomize_(model, seed)
     model.save_pretrained(path)

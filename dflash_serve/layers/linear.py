@@ -4,10 +4,14 @@ Speculative output equals target-only output only if a token's result is the sam
 is computed alone (decode) or inside a 16-token verify block. CPU GEMM kernels pick different
 code paths for small row counts (1-3 rows, edge tiles), which changes the low bits; padding
 the row count to a multiple of `CPU_ROW_TILE` makes every row go through the same kernel.
-A GPU fast path slots in behind `forward` with the same contract.
+On the GPU, cuBLAS picks its algorithm by shape, so after `use_row_kernel(max_rows)` calls of
+up to `max_rows` rows (verify and decode) run the Triton `row_matmul` instead, whose launch
+configuration depends only on the weight's shape; larger calls (prefill) keep cuBLAS.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +35,27 @@ def row_stable_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class Linear(nn.Module):
+class RowIndependentLinear(nn.Module):
+    """What dense and 4-bit layers share: which path a call of a given row count takes."""
+
+    weight: torch.Tensor  # [out_features, in_features] in the compute dtype
+    max_kernel_rows = 0
+
+    def use_row_kernel(self, max_rows: int) -> None:
+        """Compute calls of at most `max_rows` rows with the row-independent Triton kernel."""
+        self.max_kernel_rows = max_rows
+
+    def kernel_weight(self):
+        """What `row_matmul` reads: the dense weight."""
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.max_kernel_rows * x.shape[-1]:
+            return row_kernel_linear(x, self.kernel_weight())
+        return row_stable_linear(x, self.weight)
+
+
+class Linear(RowIndependentLinear):
     """Bias-free linear layer; `weight` is [out_features, in_features] as in checkpoints."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -40,15 +64,21 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_stable_linear(x, self.weight)
+
+def row_kernel_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x [..., K] through the Triton `row_matmul` (imported here: a GPU dependency)."""
+    from dflash_serve.kernels.row_matmul import row_matmul
+
+    out = row_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(RowIndependentLinear):
     """A 4-bit linear layer; the packed tensors stay the source of truth.
 
-    The reference path dequantizes once at construction (CPU serving of small models and
-    tests); a GPU kernel reading `packed` directly replaces it behind the same forward.
+    The dequantized weight serves the reference path and large (prefill) calls through
+    cuBLAS; `use_row_kernel` repacks the 4-bit tensors once for the Triton W4A16 kernel,
+    which reads 4 bits per weight on verify and decode.
     """
 
     def __init__(self, packed: PackedInt4Weight, compute_dtype: torch.dtype) -> None:
@@ -57,6 +87,63 @@ class Int4Linear(nn.Module):
         self.out_features = packed.out_features
         self.packed = packed
         self.register_buffer("weight", packed.dequantize(compute_dtype), persistent=False)
+        self.repacked = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_stable_linear(x, self.weight)
+    def use_row_kernel(self, max_rows: int) -> None:
+        from dflash_serve.kernels.row_matmul import repack_int4
+
+        device = self.weight.device
+        on_device = {name: t.to(device) for name, t in self.packed.tensors.items()}
+        self.repacked = repack_int4(replace(self.packed, tensors=on_device))
+        self.max_kernel_rows = max_rows
+
+    def kernel_weight(self):
+        return self.repacked
+
+
+class RowKernelGroup:
+    """Linears over one input as few `row_matmul` calls: those of one kind (dense, or 4-bit
+    of one group size) are computed as one matmul over their weights stacked along N.
+
+    One launch instead of several, and a wider N that keeps the GPU busier. Dense members
+    become views of the stacked weight (no second copy); 4-bit members keep their own
+    repacked tensors for calls made through them alone. Only the kernel path uses the group:
+    calls above the members' row limit go through each linear as before.
+    """
+
+    def __init__(self, linears: list[RowIndependentLinear]) -> None:
+        from dflash_serve.kernels.row_matmul import RepackedInt4, concat_repacked
+
+        self.linears = linears
+        self.max_kernel_rows = min(linear.max_kernel_rows for linear in linears)
+        kinds: dict[object, list[int]] = {}
+        for index, linear in enumerate(linears):
+            weight = linear.kernel_weight()
+            kind = weight.group_size if isinstance(weight, RepackedInt4) else weight.dtype
+            kinds.setdefault(kind, []).append(index)
+        self.calls = []
+        for indices in kinds.values():
+            members = [linears[i] for i in indices]
+            sizes = [linear.out_features for linear in members]
+            if isinstance(members[0].kernel_weight(), RepackedInt4):
+                stacked = concat_repacked([linear.kernel_weight() for linear in members])
+            else:
+                stacked = torch.cat([linear.weight for linear in members])
+                for linear, part in zip(members, stacked.split(sizes), strict=True):
+                    linear.weight = nn.Parameter(part, requires_grad=False)
+            self.calls.append((indices, stacked, sizes))
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return x.numel() <= self.max_kernel_rows * x.shape[-1]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [..., K] → each linear's output [..., N_i], in the order given (possibly views)."""
+        from dflash_serve.kernels.row_matmul import row_matmul
+
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        outputs: list[torch.Tensor | None] = [None] * len(self.linears)
+        for indices, stacked, sizes in self.calls:
+            stacked_out = row_matmul(rows, stacked)
+            for index, part in zip(indices, stacked_out.split(sizes, dim=-1), strict=True):
+                outputs[index] = part.reshape(*x.shape[:-1], part.shape[-1])
+        return outputs

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from dflash_serve.layers.activations import silu
-from dflash_serve.layers.linear import Linear
+from dflash_serve.layers.linear import Linear, RowKernelGroup
 
 
 class SwiGLU(nn.Module):
@@ -17,6 +17,19 @@ class SwiGLU(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size)
         self.up_proj = Linear(hidden_size, intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up: RowKernelGroup | None = None  # these two are set by fuse_row_kernels
+        self.silu_mul = None
+
+    def fuse_row_kernels(self) -> None:
+        """gate_proj and up_proj as one kernel matmul and silu·up as one kernel (after the
+        linears' `use_row_kernel`; imported here: a GPU dependency)."""
+        from dflash_serve.kernels.silu_mul import silu_mul
+
+        self.gate_up = RowKernelGroup([self.gate_proj, self.up_proj])
+        self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and self.gate_up.accepts(x):
+            gate, up = self.gate_up(x)
+            return self.down_proj(self.silu_mul(gate, up))
         return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))

@@ -3,6 +3,9 @@
 Qwen3.5's block norms are zero-centred (`x̂ · (1 + w)`); the DFlash drafter and the gated
 norm inside GDN layers use the weight as is (`x̂ · w`). Keeping the offset an explicit
 constructor argument makes the checkpoint mapping a plain name copy.
+
+torch's GPU reductions may split a row's sum differently for different row counts; after
+`use_row_kernel()` the norms run as Triton kernels with one fixed reduction order per row.
 """
 
 from __future__ import annotations
@@ -27,8 +30,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.zero_centred = zero_centred
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+        self.kernel = None
+
+    def use_row_kernel(self) -> None:
+        from dflash_serve.kernels.rms_norm import rms_norm
+
+        self.kernel = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x.contiguous(), self.weight, self.eps, self.zero_centred)
         scale = self.weight.float()
         if self.zero_centred:
             scale = 1.0 + scale
@@ -42,8 +53,16 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel = None
+
+    def use_row_kernel(self) -> None:
+        from dflash_serve.kernels.rms_norm import gated_rms_norm
+
+        self.kernel = gated_rms_norm
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x.contiguous(), gate.contiguous(), self.weight, self.eps)
         normed = rms_normalize(x, self.eps).to(x.dtype)
         out = self.weight * normed
         return (out.float() * silu(gate.float())).to(x.dtype)

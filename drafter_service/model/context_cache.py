@@ -1,6 +1,10 @@
 """Per-slot keys/values of the drafter's context: the committed tokens' target features.
 
-It only grows with committed tokens; a draft's own block keys/values are never stored.
+Positions 0 .. length − 1 of a slot hold its committed context; nothing else is ever read as
+context. The plain-torch path never stores a draft's own block keys/values; the GPU kernel
+path writes them as scratch at positions length .. length + T − 1, where the kernel reads
+them by position and the next `add_context` overwrites them. The room for one block past
+`max_len` lets that scratch write stay in bounds for any committed length.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from drafter_service.model.config import DFlashConfig
 
 
 class DrafterContextCache:
-    """keys/values [layers, slots, max_len, kv_heads, head_dim] and a length per slot."""
+    """keys/values [layers, slots, max_len + block_size, kv_heads, head_dim] and a committed
+    length per slot (at most `max_len`)."""
 
     def __init__(
         self,
@@ -24,7 +29,7 @@ class DrafterContextCache:
         shape = (
             config.num_hidden_layers,
             max_slots,
-            max_len,
+            max_len + config.block_size,
             config.num_key_value_heads,
             config.head_dim,
         )

@@ -4,9 +4,17 @@ Context: the target's tapped hidden states of committed tokens → fc → hidden
 into extra keys/values by every layer's own k_proj/v_proj/k_norm and RoPE at their absolute
 positions. Queries come only from the block, whose input is the target's embedding of the
 block tokens. Attribute names match z-lab checkpoints (`fc`, `hidden_norm`, `layers.i.*`).
+
+Two paths compute the draft: plain torch, one sequence at a time over its context plus the
+block (CPU, reference); and after `use_gpu_kernels()` the Triton block-attention kernel over
+the cache, where the block's keys are written as scratch after each slot's context and every
+shape is static, so a CUDA graph of the step replays for any slots and context lengths.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -71,6 +79,17 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.embed_weight: torch.Tensor | None = None  # [vocab, hidden], from the target
         self.head_weight: torch.Tensor | None = None
+        self.attention_kernel = None  # set by use_gpu_kernels
+
+    def use_gpu_kernels(self) -> None:
+        """Draft attention as the Triton block kernel (imported here: a GPU dependency)."""
+        from dflash_serve.kernels.block_attention import block_attention
+
+        self.attention_kernel = block_attention
+
+    @property
+    def uses_gpu_kernels(self) -> bool:
+        return self.attention_kernel is not None
 
     def add_context(self, cache: DrafterContextCache, slot: int, features: torch.Tensor) -> None:
         """Append committed tokens' tapped target features [n, taps·hidden] to a slot."""
@@ -90,14 +109,47 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """block_ids [B, T] = [anchor, MASK…] at positions starting at each slot's context
         length → fp32 logits [B, T−1, vocab] for block positions 1..T−1."""
-        num_tokens = block_ids.shape[1]
-        starts = torch.tensor([cache.lengths[s] for s in slots], device=block_ids.device)
-        positions = starts.unsqueeze(1) + torch.arange(num_tokens, device=block_ids.device)
+        device = block_ids.device
+        starts = [cache.lengths[s] for s in slots]
+        if self.uses_gpu_kernels:
+            ids = torch.tensor((slots, starts), dtype=torch.int64, device=device)
+            return self.draft_logits_on_device(cache, ids[0], ids[1], block_ids)
+        positions = block_positions(torch.tensor(starts, device=device), block_ids.shape[1])
+        attend = partial(self._attend, cache=cache, slots=slots)
+        return self._forward_block(block_ids, positions, attend)
+
+    def draft_logits_on_device(
+        self,
+        cache: DrafterContextCache,
+        slot_ids: torch.Tensor,
+        start_ids: torch.Tensor,
+        block_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """`draft_logits` on the kernel path from device tensors only: slot_ids [B] int64,
+        start_ids [B] int64 (the slots' context lengths), block_ids [B, T] int64. Nothing is
+        read on the host, so a CUDA graph of this replays for new values in the same tensors.
+        Writes the block's keys/values at positions start .. start + T − 1 of each slot."""
+        assert self.uses_gpu_kernels, "draft_logits_on_device needs use_gpu_kernels()"
+        positions = block_positions(start_ids, block_ids.shape[1])
+        attend = partial(
+            self._attend_in_cache,
+            cache=cache,
+            slot_ids=slot_ids,
+            start_ids=start_ids,
+            positions=positions,
+        )
+        return self._forward_block(block_ids, positions, attend)
+
+    def _forward_block(
+        self, block_ids: torch.Tensor, positions: torch.Tensor, attend: Callable
+    ) -> torch.Tensor:
+        """The layers over the block at `positions` [B, T]; `attend(layer_id, layer, x, cos_sin)`
+        is the attention of one layer (context plus block) → fp32 logits [B, T−1, vocab]."""
         cos_sin = self.rotary.cos_sin(positions)
         scale = self.config.input_embedding_scale
         h = nn.functional.embedding(block_ids, self.embed_weight) * scale
         for layer_id, layer in enumerate(self.layers):
-            h = h + self._attend(layer_id, layer, layer.input_layernorm(h), cache, slots, cos_sin)
+            h = h + attend(layer_id, layer, layer.input_layernorm(h), cos_sin)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.head_logits(h[:, 1:])
 
@@ -110,7 +162,7 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / softcap) * softcap
         return logits
 
-    def _attend(self, layer_id, layer, x, cache, slots, cos_sin) -> torch.Tensor:
+    def _attend(self, layer_id, layer, x, cos_sin, cache, slots) -> torch.Tensor:
         attn = layer.self_attn
         queries = attn.queries(x, cos_sin)
         block_keys, block_values = attn.keys_values(x, cos_sin)
@@ -123,6 +175,31 @@ class DFlashDrafter(nn.Module):
             outputs.append(attend_masked(queries[b], keys, values, visible, attn.head_dim**-0.5))
         out = torch.stack(outputs).reshape(*x.shape[:2], -1)
         return attn.o_proj(out)
+
+    def _attend_in_cache(
+        self, layer_id, layer, x, cos_sin, cache, slot_ids, start_ids, positions
+    ) -> torch.Tensor:
+        """The block's keys go into the cache after the context (scratch: the kernel reads them
+        by position, the next add_context overwrites them); the kernel applies the layer's
+        causal and window rules by position."""
+        attn = layer.self_attn
+        queries = attn.queries(x, cos_sin)
+        block_keys, block_values = attn.keys_values(x, cos_sin)
+        keys, values = cache.keys[layer_id], cache.values[layer_id]
+        rows = slot_ids.unsqueeze(1)
+        keys[rows, positions] = block_keys.to(keys.dtype)
+        values[rows, positions] = block_values.to(values.dtype)
+        out = self.attention_kernel(
+            queries.contiguous(),
+            keys,
+            values,
+            slot_ids,
+            start_ids,
+            attn.head_dim**-0.5,
+            causal=self.config.layer_is_causal(layer_id),
+            window=self.config.layer_window(layer_id),
+        )
+        return attn.o_proj(out.reshape(*x.shape[:2], -1))
 
     def visibility(self, layer_id: int, start: int, num_tokens: int, device) -> torch.Tensor:
         """bool [T, start+T]: which keys (context, then block) each block query sees."""
@@ -148,3 +225,8 @@ class DFlashDrafter(nn.Module):
             if not is_causal:
                 visible &= key_pos - query_pos < window
         return visible
+
+
+def block_positions(starts: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Absolute positions [B, T] of blocks of T tokens starting at `starts` [B]."""
+    return starts.unsqueeze(1) + torch.arange(num_tokens, device=starts.device)

@@ -30,7 +30,12 @@ def causal_conv_with_state(
 def conv_state_after(
     conv_state: torch.Tensor, inputs: torch.Tensor, num_tokens: int
 ) -> torch.Tensor:
-    """Conv state [C, k−1] after the first `num_tokens` of inputs [T, C] were committed."""
-    history = conv_state.shape[1]
-    window = torch.cat((conv_state.transpose(0, 1).to(inputs.dtype), inputs[:num_tokens]))
-    return window[window.shape[0] - history :].transpose(0, 1)
+    """Conv state [..., C, k−1] after the first `num_tokens` of inputs [..., T, C] were committed.
+
+    Leading dims (layers) are carried along; the result is a copy of stored values, no maths.
+    """
+    history = conv_state.shape[-1]
+    window = torch.cat(
+        (conv_state.transpose(-1, -2).to(inputs.dtype), inputs[..., :num_tokens, :]), dim=-2
+    )
+    return window[..., window.shape[-2] - history :, :].transpose(-1, -2)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_serve.layers.linear import row_stable_linear
+from dflash_serve.layers.linear import RowIndependentLinear, row_kernel_linear, row_stable_linear
 from dflash_serve.layers.mlp import SwiGLU
-from dflash_serve.layers.norms import RMSNorm
+from dflash_serve.layers.norms import GatedRMSNorm, RMSNorm
 from dflash_serve.layers.rotary import RotaryEmbedding
 from dflash_serve.qwen35_config import FULL_ATTENTION, Qwen35TextConfig
 from target_service.model.forward_batch import ForwardBatch
@@ -55,6 +55,29 @@ class Qwen35TextModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
         self.lm_head: nn.Module | None = None  # set by the loader when not tied
+        self.max_kernel_rows = 0
+        self.recurrence_kernel = None  # the GDN recurrence the verify runs, for commit's replay
+
+    def use_gpu_kernels(self, max_kernel_rows: int) -> None:
+        """Run verify/decode on the row-independent Triton kernels (CUDA, Triton needed).
+
+        Calls of at most `max_kernel_rows` rows (tokens × sequences) take the kernels; a
+        speculative step must fit, so that its rows equal the same rows decoded alone.
+        """
+        for module in self.modules():
+            if isinstance(module, RowIndependentLinear):
+                module.use_row_kernel(max_kernel_rows)
+            elif isinstance(module, RMSNorm | GatedRMSNorm):
+                module.use_row_kernel()
+            elif isinstance(module, GatedDeltaNet | GatedAttention):
+                module.use_gpu_kernels()
+        for module in self.modules():  # after every linear has its kernel weight
+            if isinstance(module, SwiGLU | GatedDeltaNet | GatedAttention):
+                module.fuse_row_kernels()
+        from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
+
+        self.max_kernel_rows = max_kernel_rows
+        self.recurrence_kernel = recurrent_gated_delta
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -85,4 +108,6 @@ class Qwen35TextModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., hidden] → fp32 logits [..., vocab]."""
+        if hidden.numel() <= self.max_kernel_rows * hidden.shape[-1]:
+            return row_kernel_linear(hidden, self.head_weight).float()
         return row_stable_linear(hidden, self.head_weight).float()

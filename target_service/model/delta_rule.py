@@ -10,6 +10,14 @@ from __future__ import annotations
 
 import torch
 
+L2_NORM_EPS = 1e-6
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x · rsqrt(Σx² + eps) over the last dim, in fp32 (as fla and transformers do)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_NORM_EPS)
+
 
 def expand_key_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
     """[..., Hk, D] -> [..., Hv, D]: each q/k head serves Hv/Hk consecutive value heads."""
@@ -44,9 +52,18 @@ def advance_state(
 
 
 def replay_state(
-    state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    state: torch.Tensor,
+    raw_keys: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
 ) -> torch.Tensor:
-    """State after feeding the given tokens (k [T, Hv, Dk] …) to state [Hv, Dk, Dv]; no outputs."""
+    """State after feeding the given tokens to state [Hv, Dk, Dv]; no outputs.
+
+    raw_keys [T, Hk, Dk] are the keys before l2 normalisation, as the block recorded them;
+    they are normalised exactly as the forward normalised them. v [T, Hv, Dv], g, beta [T, Hv].
+    """
+    k = expand_key_heads(l2_normalize(raw_keys), state.shape[0])
     state = state.unsqueeze(0)
     for t in range(k.shape[0]):
         state = advance_state(state, k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,21 +13,39 @@ class ForwardBatch:
 
     `is_verify` keeps the committed state untouched and records the block for a later
     commit; otherwise (prefill) every token is committed as it is computed.
+
+    `slot_ids` / `start_ids` are the same slots and starts as device tensors. The GPU path
+    reads only these, so a CUDA graph captured with one batch replays for any other whose
+    tensors were copied into the same buffers (`on_device` builds them once per forward).
     """
 
     slots: tuple[int, ...]
     start_positions: tuple[int, ...]
     num_tokens: int
     is_verify: bool
+    slot_ids: torch.Tensor | None = None  # int64 [B]
+    start_ids: torch.Tensor | None = None  # int64 [B]
 
     @property
     def batch_size(self) -> int:
         return len(self.slots)
 
-    def positions(self, device: torch.device | str) -> torch.Tensor:
-        """Absolute positions [B, T] of the new tokens."""
-        starts = torch.tensor(self.start_positions, device=device).unsqueeze(1)
-        return starts + torch.arange(self.num_tokens, device=device)
+    def on_device(self, device: torch.device | str) -> ForwardBatch:
+        """This batch with its slots and starts also held as tensors on `device`."""
+        ids = torch.tensor((self.slots, self.start_positions), dtype=torch.int64, device=device)
+        return replace(self, slot_ids=ids[0], start_ids=ids[1])
 
     def slot_index(self, device: torch.device | str) -> torch.Tensor:
+        if self.slot_ids is not None:
+            return self.slot_ids
         return torch.tensor(self.slots, device=device)
+
+    def start_index(self, device: torch.device | str) -> torch.Tensor:
+        if self.start_ids is not None:
+            return self.start_ids
+        return torch.tensor(self.start_positions, device=device)
+
+    def positions(self, device: torch.device | str) -> torch.Tensor:
+        """Absolute positions [B, T] of the new tokens."""
+        starts = self.start_index(device).unsqueeze(1)
+        return starts + torch.arange(self.num_tokens, device=starts.device)

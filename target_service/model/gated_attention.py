@@ -10,7 +10,7 @@ from torch import nn
 
 from dflash_serve.layers.activations import sigmoid
 from dflash_serve.layers.attention import attend_each_query, attend_masked
-from dflash_serve.layers.linear import Linear
+from dflash_serve.layers.linear import Linear, RowKernelGroup
 from dflash_serve.layers.norms import RMSNorm
 from dflash_serve.layers.rotary import apply_rotary
 from dflash_serve.qwen35_config import Qwen35TextConfig
@@ -35,6 +35,18 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centred=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centred=True)
+        self.attention_kernel = None  # set by use_gpu_kernels
+        self.qkv_projs: RowKernelGroup | None = None  # set by fuse_row_kernels
+
+    def use_gpu_kernels(self) -> None:
+        """Verify/decode attention as the Triton kernel (imported here: a GPU dependency)."""
+        from dflash_serve.kernels.block_attention import block_attention
+
+        self.attention_kernel = block_attention
+
+    def fuse_row_kernels(self) -> None:
+        """q, k and v projections as one kernel matmul per weight kind."""
+        self.qkv_projs = RowKernelGroup([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -44,13 +56,19 @@ class GatedAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         num_seqs, num_tokens, _ = x.shape
-        per_head = self.q_proj(x).reshape(num_seqs, num_tokens, self.num_heads, 2 * self.head_dim)
+        if self.qkv_projs is not None and self.qkv_projs.accepts(x):
+            projected_q, projected_k, projected_v = self.qkv_projs(x)
+        else:
+            projected_q, projected_k, projected_v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        per_head = projected_q.reshape(num_seqs, num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = per_head.chunk(2, dim=-1)
         kv_shape = (num_seqs, num_tokens, self.num_kv_heads, self.head_dim)
         q = apply_rotary(self.q_norm(q), *cos_sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).reshape(kv_shape)), *cos_sin)
-        v = self.v_proj(x).reshape(kv_shape)
-        if not batch.is_verify and len(set(batch.start_positions)) == 1:
+        k = apply_rotary(self.k_norm(projected_k.reshape(kv_shape)), *cos_sin)
+        v = projected_v.reshape(kv_shape)
+        if batch.is_verify and self.attention_kernel is not None:
+            attn = self._verify_with_kernel(q, k, v, batch, state)
+        elif not batch.is_verify and len(set(batch.start_positions)) == 1:
             attn = self._prefill_together(q, k, v, batch, state)
         else:
             attn = self._attend_each_sequence(q, k, v, batch, state)
@@ -69,6 +87,20 @@ class GatedAttention(nn.Module):
         keys, values = key_cache[slots, :end], value_cache[slots, :end]
         visible = causal_visibility(start, num_tokens, q.device)
         out = attend_masked(q, keys, values, visible, self.scale)
+        return out.reshape(num_seqs, num_tokens, -1)
+
+    def _verify_with_kernel(self, q, k, v, batch: ForwardBatch, state: TargetState):
+        """Only device tensors of the batch are read, so a CUDA graph of this replays."""
+        num_seqs, num_tokens = q.shape[:2]
+        slots = batch.slot_index(q.device)
+        key_cache = state.key_cache[self.attn_index]
+        value_cache = state.value_cache[self.attn_index]
+        rows, positions = slots.unsqueeze(1), batch.positions(q.device)
+        key_cache[rows, positions] = k.to(key_cache.dtype)
+        value_cache[rows, positions] = v.to(value_cache.dtype)
+        out = self.attention_kernel(
+            q.contiguous(), key_cache, value_cache, slots, batch.start_index(q.device), self.scale
+        )
         return out.reshape(num_seqs, num_tokens, -1)
 
     def _attend_each_sequence(self, q, k, v, batch: ForwardBatch, state: TargetState):

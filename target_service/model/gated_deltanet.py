@@ -1,6 +1,8 @@
 """Gated DeltaNet (linear attention) layer of Qwen3.5, with recoverable state.
 
-Attribute names match the checkpoint (`layers.N.linear_attn.*`).
+Attribute names match the checkpoint (`layers.N.linear_attn.*`). Prefill runs the chunked
+plain-torch recurrence; verify/decode runs the token-by-token recurrence, as plain torch or,
+after `use_gpu_kernels`, as one Triton kernel that reads and writes the state pools by slot.
 """
 
 from __future__ import annotations
@@ -9,22 +11,14 @@ import torch
 from torch import nn
 
 from dflash_serve.layers.activations import sigmoid, silu, softplus
-from dflash_serve.layers.linear import Linear
+from dflash_serve.layers.linear import Linear, RowKernelGroup
 from dflash_serve.layers.norms import GatedRMSNorm
 from dflash_serve.qwen35_config import Qwen35TextConfig
 from target_service.model.causal_conv import causal_conv_with_state
 from target_service.model.chunked_delta_rule import chunked_gated_delta_rule
-from target_service.model.delta_rule import expand_key_heads, gated_delta_rule
+from target_service.model.delta_rule import expand_key_heads, gated_delta_rule, l2_normalize
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.state import TargetState
-
-L2_NORM_EPS = 1e-6
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x · rsqrt(Σx² + eps) over the last dim, in fp32 (as fla and transformers do)."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_NORM_EPS)
 
 
 class GatedDeltaNet(nn.Module):
@@ -52,9 +46,27 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps)
         self.out_proj = Linear(value_dim, hidden)
+        self.recurrence_kernel = None  # these three are set by use_gpu_kernels / fuse_row_kernels
+        self.inputs_kernel = None
+        self.in_projs: RowKernelGroup | None = None
+
+    def use_gpu_kernels(self) -> None:
+        """Run verify/decode on Triton kernels (imported here: a GPU dependency)."""
+        from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
+        from target_service.kernels.gdn_inputs import prepare_gdn_inputs
+
+        self.recurrence_kernel = recurrent_gated_delta
+        self.inputs_kernel = prepare_gdn_inputs
+
+    def fuse_row_kernels(self) -> None:
+        """The four input projections as one kernel matmul per weight kind."""
+        projections = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        self.in_projs = RowKernelGroup(projections)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: TargetState) -> torch.Tensor:
         """x [B, T, hidden] → [B, T, hidden]; reads and writes this layer's state slots."""
+        if batch.is_verify and self.recurrence_kernel is not None:
+            return self._verify_on_kernels(x, batch, state)
         num_seqs, num_tokens, _ = x.shape
         slots = batch.slot_index(x.device)
         conv_inputs = self.in_proj_qkv(x)
@@ -63,34 +75,78 @@ class GatedDeltaNet(nn.Module):
         )
         q, k, v = torch.split(silu(conv_out), self.split_sizes, dim=-1)
         heads = (num_seqs, num_tokens, -1, self.key_head_dim)
-        q = l2_normalize(q.reshape(heads)) * self.key_head_dim**-0.5
-        k = l2_normalize(k.reshape(heads))
-        q = expand_key_heads(q, self.num_value_heads)
-        k = expand_key_heads(k, self.num_value_heads)
-        v = v.reshape(num_seqs, num_tokens, -1, self.value_head_dim).float()
+        q, k = q.reshape(heads), k.reshape(heads)
+        v = v.reshape(num_seqs, num_tokens, -1, self.value_head_dim)
         beta = sigmoid(self.in_proj_b(x)).float()
         a = self.in_proj_a(x).float()
         decay = -self.A_log.float().exp() * softplus(a + self.dt_bias.float())
-        initial = state.recurrent_state[self.gdn_index, slots]
-        # Verify/decode token by token (row-independent); prefill in chunks (fast).
-        rule = gated_delta_rule if batch.is_verify else chunked_gated_delta_rule
-        out, final = rule(q, k, v, decay, beta, initial)
-        if batch.is_verify:
-            self._record_block(state, slots, num_tokens, conv_inputs, k, v, decay, beta, final)
-        else:
-            state.recurrent_state[self.gdn_index, slots] = final
-            # (under autocast, training, activations are bf16 while the state is fp32)
+        if not batch.is_verify:
+            out = self._prefill(q, k, v, decay, beta, slots, state)
             state.conv_state[self.gdn_index, slots] = conv_state.to(state.conv_state.dtype)
+        else:
+            out = self._verify_reference(q, k, v, decay, beta, slots, state)
+            self._record_block(state, slots, num_tokens, conv_inputs, k, v, decay, beta)
         z = self.in_proj_z(x).reshape(num_seqs, num_tokens, -1, self.value_head_dim)
         out = self.norm(out.to(x.dtype), z)
         return self.out_proj(out.reshape(num_seqs, num_tokens, -1))
 
-    def _record_block(self, state, slots, num_tokens, conv_inputs, k, v, decay, beta, final):
-        """Keep what commit(n) needs: the final state and the block's per-token inputs."""
+    def _normalized_heads(self, q, k):
+        q = l2_normalize(q) * self.key_head_dim**-0.5
+        k = l2_normalize(k)
+        return expand_key_heads(q, self.num_value_heads), expand_key_heads(k, self.num_value_heads)
+
+    def _prefill(self, q, k, v, decay, beta, slots, state: TargetState) -> torch.Tensor:
+        """Chunked (fast, not row-independent: prefill is shared by both decoding modes)."""
+        q, k = self._normalized_heads(q, k)
+        initial = state.recurrent_state[self.gdn_index, slots]
+        out, final = chunked_gated_delta_rule(q, k, v.float(), decay, beta, initial)
+        state.recurrent_state[self.gdn_index, slots] = final
+        return out
+
+    def _verify_reference(self, q, k, v, decay, beta, slots, state: TargetState) -> torch.Tensor:
+        """Token by token, so the state after n tokens is the same for any block length."""
+        q, k = self._normalized_heads(q, k)
+        initial = state.recurrent_state[self.gdn_index, slots]
+        out, final = gated_delta_rule(q, k, v.float(), decay, beta, initial)
+        state.block_final_state[self.gdn_index, slots] = final
+        return out
+
+    def _verify_on_kernels(self, x, batch: ForwardBatch, state: TargetState) -> torch.Tensor:
+        """The verify step as three kernels between the matmuls: inputs (conv, SiLU, gates,
+        block record), recurrence, gated norm. Reads only the batch's device tensors."""
+        num_seqs, num_tokens, _ = x.shape
+        slots, layer = batch.slot_index(x.device), self.gdn_index
+        if self.in_projs is not None and self.in_projs.accepts(x):
+            conv_inputs, z, b, a = self.in_projs(x)
+        else:
+            conv_inputs, z = self.in_proj_qkv(x), self.in_proj_z(x)
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+        conv_out = torch.empty(conv_inputs.shape, dtype=conv_inputs.dtype, device=x.device)
+        gates = torch.empty((2, num_seqs, num_tokens, self.num_value_heads), device=x.device)
+        key_dim = self.split_sizes[0]
+        self.inputs_kernel(
+            conv_inputs, a, b, state.conv_state[layer], self.conv1d.weight[:, 0, :],
+            self.A_log, self.dt_bias, slots, key_dim, conv_out, gates[0], gates[1],
+            state.block_conv_inputs[layer], state.block_keys[layer].flatten(2),
+            state.block_values[layer].flatten(2), state.block_decays[layer],
+            state.block_betas[layer],
+        )  # fmt: skip
+        q, k, v = torch.split(conv_out, self.split_sizes, dim=-1)
+        key_heads = (num_seqs, num_tokens, -1, self.key_head_dim)
+        values = v.view(num_seqs, num_tokens, -1, self.value_head_dim)
+        out = torch.empty(values.shape, dtype=torch.float32, device=x.device)
+        self.recurrence_kernel(
+            q.view(key_heads), k.view(key_heads), values, gates[0], gates[1],
+            state.recurrent_state[layer], state.block_final_state[layer], slots, out=out,
+        )  # fmt: skip
+        out = self.norm(out.to(x.dtype), z.reshape(num_seqs, num_tokens, -1, self.value_head_dim))
+        return self.out_proj(out.reshape(num_seqs, num_tokens, -1))
+
+    def _record_block(self, state, slots, num_tokens, conv_inputs, raw_keys, v, decay, beta):
+        """Keep what commit(n) needs besides the final state: the block's per-token inputs."""
         layer = self.gdn_index
-        state.block_final_state[layer, slots] = final
         state.block_conv_inputs[layer, slots, :num_tokens] = conv_inputs
-        state.block_keys[layer, slots, :num_tokens] = k
-        state.block_values[layer, slots, :num_tokens] = v
+        state.block_keys[layer, slots, :num_tokens] = raw_keys.float()
+        state.block_values[layer, slots, :num_tokens] = v.float()
         state.block_decays[layer, slots, :num_tokens] = decay
         state.block_betas[layer, slots, :num_tokens] = beta

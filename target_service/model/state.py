@@ -43,7 +43,8 @@ class TargetState:
         num_attn = len(config.attention_layer_ids)
         num_gdn = len(config.gdn_layer_ids)
         slots, block = shape.max_slots, shape.max_block_tokens
-        heads_v, dk, dv = (
+        heads_k, heads_v, dk, dv = (
+            config.linear_num_key_heads,
             config.linear_num_value_heads,
             config.linear_key_head_dim,
             config.linear_value_head_dim,
@@ -61,7 +62,8 @@ class TargetState:
             (num_gdn, slots, block, config.gdn_conv_dim), dtype=dtype, device=device
         )
         f32 = dict(dtype=torch.float32, device=device)
-        self.block_keys = torch.zeros((num_gdn, slots, block, heads_v, dk), **f32)
+        # Keys before l2 normalisation (the recurrence normalises them, in forward and replay).
+        self.block_keys = torch.zeros((num_gdn, slots, block, heads_k, dk), **f32)
         self.block_values = torch.zeros((num_gdn, slots, block, heads_v, dv), **f32)
         self.block_decays = torch.zeros((num_gdn, slots, block, heads_v), **f32)
         self.block_betas = torch.zeros((num_gdn, slots, block, heads_v), **f32)
