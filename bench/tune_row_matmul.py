@@ -38,14 +38,12 @@ CALLS_PER_GRAPH = 20
 
 
 def candidates(n: int, k: int, group: int | None) -> list[MatmulConfig]:
-    variants = [("dense", bk) for bk in (64, 128)] if group is None else (
-        [("tiles", bk) for bk in (32, 64, 128)] + [("nibbles", bk) for bk in (128, 256)]
-    )  # fmt: skip
+    block_ks = (64, 128) if group is None else (32, 64, 128)
     configs = {}
     for block_n in (32, 64, 128):
         if block_n > max(16, triton.next_power_of_2(n)) * 2:
             continue
-        for kind, block_k in variants:
+        for block_k in block_ks:
             num_blocks = triton.cdiv(k, block_k)
             for wanted in (1, 2, 4, 8, 16):
                 per_split = triton.cdiv(num_blocks, wanted)
@@ -57,7 +55,6 @@ def candidates(n: int, k: int, group: int | None) -> list[MatmulConfig]:
                     split_k=split,
                     num_warps=4,
                     num_stages=3,
-                    int4_kernel="nibbles" if kind == "dense" else kind,
                 )
                 configs[config] = None
     return list(configs)

@@ -2,9 +2,9 @@
 
 A decode-time step (the target's verify, the drafter's draft) is hundreds of small kernel
 launches; replaying them as one graph removes the Python and launch cost. The step reads
-everything that varies between calls from one int64 input tensor (slots, positions, token
-ids) and returns tensors; `replay` copies new inputs into the captured buffer, replays, and
-returns copies of the outputs (the captured outputs are overwritten by the next replay).
+everything that varies between calls from its input tensors (slots, positions, token ids,
+features) and returns tensors; `replay` copies new inputs into the captured buffers, replays,
+and returns copies of the outputs (the captured outputs are overwritten by the next replay).
 Shapes that were not captured return None, and the caller runs the same step eagerly.
 """
 
@@ -18,20 +18,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-StepFn = Callable[[torch.Tensor, Hashable], tuple[torch.Tensor | None, ...]]
+Inputs = tuple[torch.Tensor, ...]
+StepFn = Callable[[Inputs, Hashable], tuple[torch.Tensor | None, ...]]
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor
+    inputs: Inputs
     outputs: tuple[torch.Tensor | None, ...]
 
 
 class StepGraphs:
     """Captured graphs of `step(inputs, key)`; all share one memory pool (replays are serial)."""
 
-    def __init__(self, step: StepFn, warmup_inputs: dict[Hashable, torch.Tensor]) -> None:
+    def __init__(self, step: StepFn, warmup_inputs: dict[Hashable, Inputs]) -> None:
         """warmup_inputs: per key, inputs (on the GPU) valid for one eager run; the graph
         keeps their shape. Capturing runs the step (twice) with them."""
         self.step = step
@@ -40,7 +41,7 @@ class StepGraphs:
         logger.info("captured %d graphs: %s", len(self.captured), list(self.captured))
 
     @torch.inference_mode()
-    def _capture(self, key: Hashable, inputs: torch.Tensor) -> _Captured:
+    def _capture(self, key: Hashable, inputs: Inputs) -> _Captured:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile kernels and settle the allocator first
@@ -54,9 +55,11 @@ class StepGraphs:
     def has(self, key: Hashable) -> bool:
         return key in self.captured
 
-    def replay(self, key: Hashable, host_inputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """Outputs of the step for these inputs (same shape as at capture), as copies."""
+    def replay(self, key: Hashable, *new_inputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Outputs of the step for these inputs (shapes as at capture, on any device), as
+        copies."""
         captured = self.captured[key]
-        captured.inputs.copy_(host_inputs, non_blocking=True)
+        for buffer, new in zip(captured.inputs, new_inputs, strict=True):
+            buffer.copy_(new, non_blocking=True)
         captured.graph.replay()
         return tuple(None if out is None else out.clone() for out in captured.outputs)

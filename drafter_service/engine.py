@@ -62,6 +62,12 @@ class DrafterEngine:
     @torch.inference_mode()
     def add_context(self, slot: int, features: torch.Tensor) -> None:
         """Append the tapped target features [n, taps·hidden] of n committed tokens."""
+        self.check_context(slot, features)
+        self.model.add_context(self.cache, slot, features.to(self.device))
+
+    def check_context(self, slot: int, features: torch.Tensor, num_drafts: int = 0) -> None:
+        """Raise InvalidRequestError unless `features` (and then a block of `num_drafts`
+        drafts) can be added to the slot now."""
         self._check_slot(slot)
         if features.ndim != 2 or features.shape[1] != self.feature_dim:
             raise InvalidRequestError(
@@ -73,11 +79,51 @@ class DrafterEngine:
             raise InvalidRequestError(
                 f"slot {slot}: context would exceed max_len {self.cache.max_len}"
             )
-        self.model.add_context(self.cache, slot, features.to(self.device))
+        if num_drafts and self.cache.lengths[slot] + features.shape[0] + num_drafts + 1 > (
+            self.cache.max_len
+        ):
+            raise InvalidRequestError(f"slot {slot}: block would exceed max_len")
+
+    @torch.inference_mode()
+    def add_context_and_draft(
+        self,
+        slots: list[int],
+        features: list[torch.Tensor],
+        anchor_ids: list[int],
+        num_drafts: int,
+    ) -> list[list[int]]:
+        """`add_context` for every slot, then `draft`: one CUDA graph for both when one was
+        captured for this shape, else the same steps one by one."""
+        for slot, rows in zip(slots, features, strict=True):
+            self.check_context(slot, rows, num_drafts)
+        self._check_draft(slots, anchor_ids, num_drafts)
+        block = self._blocks(anchor_ids, num_drafts)
+        num_new = [rows.shape[0] for rows in features]
+        if self.graphs is None or not self.graphs.accepts(len(slots), len(block[0]), num_new):
+            for slot, rows in zip(slots, features, strict=True):
+                self.model.add_context(self.cache, slot, rows.to(self.device))
+            return self._draft_checked(slots, block)
+        starts = [self.cache.lengths[slot] for slot in slots]
+        on_device = [rows.to(self.device) for rows in features]
+        draft_ids = self.graphs.replay(slots, starts, on_device, block)
+        for slot, count in zip(slots, num_new, strict=True):
+            self.cache.lengths[slot] += count
+        return draft_ids.tolist()
 
     @torch.inference_mode()
     def draft(self, slots: list[int], anchor_ids: list[int], num_drafts: int) -> list[list[int]]:
         """Propose `num_drafts` tokens after each anchor (one forward for all slots)."""
+        self._check_draft(slots, anchor_ids, num_drafts)
+        for slot in slots:
+            if self.cache.lengths[slot] + num_drafts + 1 > self.cache.max_len:
+                raise InvalidRequestError(f"slot {slot}: block would exceed max_len")
+        return self._draft_checked(slots, self._blocks(anchor_ids, num_drafts))
+
+    def _blocks(self, anchor_ids: list[int], num_drafts: int) -> list[list[int]]:
+        mask = self.config.mask_token_id
+        return [[anchor] + [mask] * num_drafts for anchor in anchor_ids]
+
+    def _check_draft(self, slots: list[int], anchor_ids: list[int], num_drafts: int) -> None:
         if not 1 <= num_drafts <= self.config.max_drafts:
             raise InvalidRequestError(
                 f"num_drafts must be in 1..{self.config.max_drafts}, got {num_drafts}"
@@ -90,15 +136,12 @@ class DrafterEngine:
             self._check_slot(slot)
             if not 0 <= anchor < self.vocab_size:
                 raise InvalidRequestError(f"anchor id {anchor} outside the vocabulary")
-            if self.cache.lengths[slot] + num_drafts + 1 > self.cache.max_len:
-                raise InvalidRequestError(f"slot {slot}: block would exceed max_len")
-        mask = self.config.mask_token_id
-        block = [[anchor] + [mask] * num_drafts for anchor in anchor_ids]
-        if self.graphs is not None:
+
+    def _draft_checked(self, slots: list[int], block: list[list[int]]) -> list[list[int]]:
+        if self.graphs is not None and self.graphs.accepts(len(slots), len(block[0]), [0]):
             starts = [self.cache.lengths[slot] for slot in slots]
-            draft_ids = self.graphs.replay(slots, starts, block)
-            if draft_ids is not None:
-                return draft_ids.tolist()
+            no_context = [torch.empty(0, self.feature_dim, device=self.device)] * len(slots)
+            return self.graphs.replay(slots, starts, no_context, block).tolist()
         ids = torch.tensor(block, device=self.device)
         logits = self.model.draft_logits(self.cache, slots, ids)
         return logits.argmax(dim=-1).tolist()

@@ -34,25 +34,34 @@ class DraftRequest:
 def add_context_and_draft(
     engine: DrafterEngine, requests: Sequence[DraftRequest]
 ) -> list[Drafts | DflashError]:
-    """One result per request, in order; an invalid request gets its error, others run."""
+    """One result per request, in order; an invalid request gets its error, others run.
+
+    Requests drafting the same number of tokens add their context and draft together (one
+    CUDA graph on the GPU fast path); a group that fails changes nothing.
+    """
     began_ns = time.perf_counter_ns()  # context ingestion counts as forward time
     results: list[Drafts | DflashError | None] = [None] * len(requests)
     groups: dict[int, list[int]] = defaultdict(list)
     for index, request in enumerate(requests):
         try:
-            engine.add_context(request.slot, request.features)
+            engine.check_context(request.slot, request.features, request.num_drafts)
+            if request.num_drafts == 0:  # a paced-out step: the context only
+                engine.add_context(request.slot, request.features)
+                results[index] = Drafts([], time.perf_counter_ns() - began_ns, 1)
+                continue
         except DflashError as error:
             results[index] = error
             continue
-        if request.num_drafts == 0:  # a paced-out step: the context only
-            results[index] = Drafts([], time.perf_counter_ns() - began_ns, 1)
-            continue
         groups[request.num_drafts].append(index)
     for num_drafts, indices in groups.items():
-        slots = [requests[i].slot for i in indices]
-        anchors = [requests[i].anchor_id for i in indices]
+        group = [requests[i] for i in indices]
         try:
-            proposals = engine.draft(slots, anchors, num_drafts)
+            proposals = engine.add_context_and_draft(
+                [r.slot for r in group],
+                [r.features for r in group],
+                [r.anchor_id for r in group],
+                num_drafts,
+            )
         except DflashError as error:
             for index in indices:
                 results[index] = error

@@ -40,10 +40,11 @@ class VerifyGraphs:
             for batch_size in batch_sizes:
                 inputs = torch.zeros((2 + num_tokens, batch_size), dtype=torch.int64, device=device)
                 inputs[0] = torch.arange(batch_size, device=device)
-                warmup[(batch_size, num_tokens)] = inputs
+                warmup[(batch_size, num_tokens)] = (inputs,)
         self.graphs = StepGraphs(self._forward, warmup)
 
-    def _forward(self, inputs: torch.Tensor, key: tuple[int, int]):
+    def _forward(self, inputs: tuple[torch.Tensor], key: tuple[int, int]):
+        (inputs,) = inputs
         batch_size, num_tokens = key
         slots = tuple(range(batch_size))  # only for the record: the kernel path reads tensors
         batch = ForwardBatch(slots, (0,) * batch_size, num_tokens, True, inputs[0], inputs[1])

@@ -148,7 +148,7 @@ def test_graph_replay_equals_eager_kernel_path(drafter_dir, target_dir):
     dtype = torch.bfloat16
     eager = new_engine(drafter_dir, target_dir, dtype, kernels=True)
     graphed = new_engine(drafter_dir, target_dir, dtype, kernels=True, graph_batch_sizes=(1, 3))
-    assert graphed.graphs.graphs.has((3, 16)) and graphed.graphs.graphs.has((1, 16))
+    assert graphed.graphs.graphs.has(3) and graphed.graphs.graphs.has(1)
     slots = {engine: fill(engine, CONTEXTS) for engine in (eager, graphed)}
     for round_index in range(3):
         for count in (1, 3):
@@ -164,3 +164,27 @@ def test_graph_replay_equals_eager_kernel_path(drafter_dir, target_dir):
     assert eager.draft(slots[eager], list(ANCHORS), 4) == graphed.draft(
         slots[graphed], list(ANCHORS), 4
     )
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_fused_context_and_draft_graph_equals_separate_steps(drafter_dir, target_dir):
+    """The captured add-context-then-draft step (context padded to 16 rows) drafts what
+    add_context followed by draft gives eagerly, round after round."""
+    dtype = torch.bfloat16
+    eager = new_engine(drafter_dir, target_dir, dtype, kernels=True)
+    graphed = new_engine(drafter_dir, target_dir, dtype, kernels=True, graph_batch_sizes=(1, 3))
+    slots = {engine: fill(engine, (5, 3, 9)) for engine in (eager, graphed)}
+    for round_index, new_rows in enumerate((1, 16, 7)):
+        new = {
+            engine: [features(engine, new_rows, seed=10 * round_index + i) for i in range(3)]
+            for engine in (eager, graphed)
+        }
+        for slot, rows in zip(slots[eager], new[eager], strict=True):
+            eager.add_context(slot, rows)
+        expected = eager.draft(slots[eager], list(ANCHORS), 15)
+        fused = graphed.add_context_and_draft(slots[graphed], new[graphed], list(ANCHORS), 15)
+        assert fused == expected, round_index
+        assert [graphed.context_length(s) for s in slots[graphed]] == [
+            eager.context_length(s) for s in slots[eager]
+        ]

@@ -29,8 +29,8 @@ from dflash_serve.kernels.row_matmul import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ["dense", "awq", "ct_symmetric", "ct_asymmetric"]
 # (N, K, group): N tiles masked or two with a ragged one; SPLIT_K 1 and > 1 for both kinds,
-# ragged last splits (dense: 3 splits over 5 blocks; 4-bit: 512 + 512 + 64 inputs, the last
-# step mostly masked), 4-bit steps spanning several groups, a dense K tail;
+# ragged last splits (dense: 3 splits over 5 blocks), several groups per 4-bit split, a dense
+# K tail;
 # test_shapes_cover_both_split_paths checks the splits.
 SHAPES = [(48, 64, 32), (40, 320, 64), (80, 96, 32), (40, 1088, 32)]
 QWEN35_4B_SHAPES = {

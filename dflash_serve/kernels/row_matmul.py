@@ -40,7 +40,6 @@ NUM_SMS = 132  # H200; a constant, so the config never depends on the machine ei
 MIN_PROGRAMS = 2 * NUM_SMS
 MAX_BLOCK_N = 64
 BLOCK_K = 64
-INT4_BLOCK_K = 256  # 32 packed words per step: 8 dots of depth 32, one per nibble
 MIN_BLOCKS_PER_SPLIT = 2
 MIN_DOT_K = 16
 REDUCE_BLOCK = 1024
@@ -139,7 +138,6 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     block_m: int = BLOCK_M
-    int4_kernel: str = "nibbles"  # "tiles" (BLOCK_K within a group) or "nibbles"
 
 
 def matmul_config(n: int, k: int, group_size: int | None = None) -> MatmulConfig:
@@ -152,15 +150,14 @@ def matmul_config(n: int, k: int, group_size: int | None = None) -> MatmulConfig
     least 2 blocks to pipeline. Qwen3.5-4B: 3 for (8192, 2560), 20 for (1024, 2560), 7 for
     (2560, 4096) and (2560, 9216), 2 for (9216, 2560), 1 for the lm_head. The extra traffic,
     fp32 partials [SPLIT_K, M, N] written and summed once, is small beside the weight for
-    M <= 128. A 4-bit step reads INT4_BLOCK_K / 8 packed words per column once and gathers
-    each word's scale/zero, so a step may span groups. num_warps/num_stages are plain
-    defaults for a memory-bound tile, not tuned per shape.
+    M <= 128. 4-bit tiles use a BLOCK_K dividing the group size, so one scale/zero row serves
+    a tile. Measured per-shape configs (`tuned_configs`) take precedence over this rule.
     """
     tuned = tuned_configs().get(config_key(n, k, group_size))
     if tuned is not None:
         return MatmulConfig(**tuned)
     block_n = max(MIN_DOT_K, min(MAX_BLOCK_N, triton.next_power_of_2(n)))
-    block_k = BLOCK_K if group_size is None else INT4_BLOCK_K
+    block_k = BLOCK_K if group_size is None else min(BLOCK_K, group_size & -group_size)
     num_tiles = triton.cdiv(n, block_n)
     num_blocks = triton.cdiv(k, block_k)
     wanted_splits, blocks_per_split = 1, num_blocks
@@ -253,7 +250,7 @@ def _dense_kernel(
 
 
 @triton.jit(do_not_specialize=["M", "stride_os"])
-def _int4_tiles_kernel(
+def _int4_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, stride_xm, stride_os, stride_om,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -279,43 +276,6 @@ def _int4_tiles_kernel(
         z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.int32)
         w = to_bf16((q - z[None, :]).to(tl.float32) * s[None, :], ROUND_ON_BITS)
         acc = _dot_acc(x, w, acc, DOT_IN_FP32)
-    _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, SPLIT_K, ROUND_ON_BITS)
-
-
-@triton.jit(do_not_specialize=["M", "stride_os"])
-def _int4_nibbles_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, stride_xm, stride_os, stride_om,
-    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
-):  # fmt: skip
-    """Each packed word is loaded once: nibble i of the BLOCK_K/8 words of a step holds
-    inputs k0 + 8r + i, so the step is 8 dots of depth BLOCK_K/8, one per nibble, each
-    against the matching strided columns of x (a fixed order: step, then nibble)."""
-    tl.static_assert(GROUP_SIZE % 8 == 0)
-    WORDS: tl.constexpr = BLOCK_K // 8
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, WORDS)
-    m_mask = offs_m[:, None] < M
-    k_start = tl.program_id(2) * K_PER_SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-        first_inputs = k0 + 8 * offs_w  # input of nibble 0 of each word
-        tile_mask = (first_inputs[:, None] < K) & (offs_n[None, :] < N)
-        words = tl.load(
-            q_ptr + (first_inputs[:, None] // 8) * N + offs_n[None, :], mask=tile_mask, other=0
-        )
-        groups = first_inputs[:, None] // GROUP_SIZE  # all 8 nibbles of a word share a group
-        s = tl.load(s_ptr + groups * N + offs_n[None, :], mask=tile_mask, other=0.0)
-        z = tl.load(z_ptr + groups * N + offs_n[None, :], mask=tile_mask, other=0).to(tl.int32)
-        for i in tl.static_range(8):
-            q = (words >> (4 * i)) & 0xF
-            w = to_bf16((q - z).to(tl.float32) * s, ROUND_ON_BITS)
-            inputs = first_inputs + i
-            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + inputs[None, :]
-            x = tl.load(x_ptrs, mask=m_mask & (inputs[None, :] < K), other=0.0)
-            acc = _dot_acc(x, w, acc, DOT_IN_FP32)
     _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, SPLIT_K, ROUND_ON_BITS)
 
 
@@ -368,8 +328,7 @@ def row_matmul(
     launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
     launch_args |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if is_int4:
-        kernel = _int4_tiles_kernel if config.int4_kernel == "tiles" else _int4_nibbles_kernel
-        kernel[grid](
+        _int4_kernel[grid](
             x, weight.qweight, weight.scales, weight.zeros, target,
             m, x.stride(0), stride_os, stride_om,
             GROUP_SIZE=weight.group_size, **shape_args, **launch_args,

@@ -104,6 +104,26 @@ class DFlashDrafter(nn.Module):
             cache.values[layer_id, slot, start:end] = values
         cache.lengths[slot] = end
 
+    def add_context_on_device(
+        self,
+        cache: DrafterContextCache,
+        slot_ids: torch.Tensor,
+        start_ids: torch.Tensor,
+        features: torch.Tensor,
+    ) -> None:
+        """`add_context` for B slots from device tensors only: features [B, R, taps·hidden]
+        go to positions start .. start + R − 1 (rows past a slot's real count are padding:
+        beyond its length, so never attended, and overwritten by the next block). The host
+        keeps `cache.lengths`; a CUDA graph of this replays for new values."""
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        positions = block_positions(start_ids, features.shape[1])
+        cos_sin = self.rotary.cos_sin(positions)
+        rows = slot_ids.unsqueeze(1)
+        for layer_id, layer in enumerate(self.layers):
+            keys, values = layer.self_attn.keys_values(context, cos_sin)
+            cache.keys[layer_id][rows, positions] = keys.to(cache.keys.dtype)
+            cache.values[layer_id][rows, positions] = values.to(cache.values.dtype)
+
     def draft_logits(
         self, cache: DrafterContextCache, slots: list[int], block_ids: torch.Tensor
     ) -> torch.Tensor:
