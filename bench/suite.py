@@ -53,8 +53,8 @@ class Suite:
         self.results: dict = run_facts("python -m bench.suite " + " ".join(sys.argv[1:]))
         if args.merge_into:
             earlier = json.loads(args.merge_into.read_text())
-            earlier.pop("command", None)
-            self.results = earlier | {"command": self.results["command"] + " (merged)"}
+            facts = self.results  # this run's machine, date and command replace the old ones
+            self.results = earlier | facts | {"command": facts["command"] + " (merged)"}
         if args.commit:
             self.results["commit"] = args.commit
         self.results.setdefault("errors", {})

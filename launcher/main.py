@@ -41,14 +41,18 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
         help="torch threads of the engine thread (1 is fastest for decoding on a CPU)",
     )
     parser.add_argument("--grace-period-s", type=float, default=5.0, help="drain time on SIGTERM")
+    add_fast_path_flag(parser)
+    parser.add_argument(
+        "--gpu-memory-fraction", type=float, help="cap of this process's share of the GPU (0..1]"
+    )
+
+
+def add_fast_path_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-gpu-fast-path",
         dest="gpu_fast_path",
         action="store_false",
         help="on a GPU, run the plain-torch reference path instead of Triton kernels + graphs",
-    )
-    parser.add_argument(
-        "--gpu-memory-fraction", type=float, help="cap of this process's share of the GPU (0..1]"
     )
 
 
@@ -123,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     up.add_argument("--max-context-tokens", type=int, default=4096)
     up.add_argument("--max-sessions", type=int, default=16)
+    add_fast_path_flag(up)
     add_gateway_flags(up)
 
     inspect = sub.add_parser("inspect-target", help="load a checkpoint and print its shapes")
@@ -213,6 +218,7 @@ def run_up(args: argparse.Namespace) -> None:
         str(args.max_context_tokens),
         "--max-sessions",
         str(args.max_sessions),
+        *([] if args.gpu_fast_path else ["--no-gpu-fast-path"]),
     ]
     taps = ["--drafter-model", drafter] if drafter else []
     children = [start_service(["target", "--model", target, *taps, *common], echo=True)]
