@@ -5,7 +5,7 @@ so a token's low bits would depend on how many tokens share the launch. Here one
 normalises one row and the reduction block is fixed by D alone (next power of two ≥ D, masked
 lanes add zero), so a row's result is the same alone, in a 16-token block or in a batch.
 
-Everything that is not the reduction follows `dflash_serve.layers.norms` step for step: the
+Everything that is not the reduction follows `dflash_serve.layers.norm_math` step for step: the
 same fp32 operations in the same order, the same roundings to bf16, IEEE division, and on the
 GPU libdevice's `expf`/`rsqrtf`, the functions torch's CUDA kernels call (Triton's own `tl.exp`
 and `/` are approximate there). The interpreter has no libdevice and uses numpy's instead.
@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dflash_serve.kernels import is_interpreting
-from dflash_serve.layers.norms import GatedRMSNorm, RMSNorm
+from dflash_serve.layers import norm_math
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -175,17 +175,15 @@ def gated_rms_norm(
 def rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool
 ) -> torch.Tensor:
-    """`RMSNorm.forward` with the given weight (torch's own reductions)."""
-    module = RMSNorm(weight.shape[0], eps, zero_centred)
-    return torch.func.functional_call(module, {"weight": weight}, (x,))
+    """`RMSNorm.forward`'s arithmetic with the given weight (torch's own reductions)."""
+    return norm_math.rms_norm(x, weight, eps, zero_centred)
 
 
 def gated_rms_norm_reference(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """`GatedRMSNorm.forward` with the given weight (torch's own reductions)."""
-    module = GatedRMSNorm(weight.shape[0], eps)
-    return torch.func.functional_call(module, {"weight": weight}, (x, gate))
+    """`GatedRMSNorm.forward`'s arithmetic with the given weight (torch's own reductions)."""
+    return norm_math.gated_rms_norm(x, gate, weight, eps)
 
 
 def _check_input(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -13,13 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_serve.layers.activations import silu
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x · rsqrt(mean(x²) + eps) in fp32; returns fp32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+from dflash_serve.layers import norm_math
 
 
 class RMSNorm(nn.Module):
@@ -40,10 +34,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x.contiguous(), self.weight, self.eps, self.zero_centred)
-        scale = self.weight.float()
-        if self.zero_centred:
-            scale = 1.0 + scale
-        return (rms_normalize(x, self.eps) * scale).to(x.dtype)
+        return norm_math.rms_norm(x, self.weight, self.eps, self.zero_centred)
 
 
 class GatedRMSNorm(nn.Module):
@@ -63,6 +54,4 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x.contiguous(), gate.contiguous(), self.weight, self.eps)
-        normed = rms_normalize(x, self.eps).to(x.dtype)
-        out = self.weight * normed
-        return (out.float() * silu(gate.float())).to(x.dtype)
+        return norm_math.gated_rms_norm(x, gate, self.weight, self.eps)
