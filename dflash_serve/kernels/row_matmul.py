@@ -1,4 +1,4 @@
-"""`y = x @ Wᵀ` for the verify/decode rows (M = 1..128), dense bf16 or 4-bit, row-independent.
+"""`y = x @ Wᵀ` for verify/decode rows (16 tokens × the batch), dense or 4-bit, row-independent.
 
 Speculative output equals target-only output only if a token's result does not depend on how
 many tokens share the launch. Rows are processed in tiles of `BLOCK_M` = 16 and every launch
@@ -144,14 +144,13 @@ def matmul_config(n: int, k: int, group_size: int | None = None) -> MatmulConfig
     """Launch parameters for an [N, K] weight: dense bf16 if `group_size` is None, else 4-bit.
 
     Depends on (N, K, kind) only, never on the row count: that is what makes rows independent.
-    Decode and verify are memory-bound (each row tile streams the whole weight once), so the
+    A configuration measured for the shape on the H200 (`tuned_configs`) wins. Otherwise:
+    decode and verify are memory-bound (each row tile streams the whole weight once), so the
     aim is to keep every SM streaming: SPLIT_K is the smallest split (in whole BLOCK_K blocks)
     that gives at least 2 × 132 programs for one row tile, but every split keeps a loop of at
-    least 2 blocks to pipeline. Qwen3.5-4B: 3 for (8192, 2560), 20 for (1024, 2560), 7 for
-    (2560, 4096) and (2560, 9216), 2 for (9216, 2560), 1 for the lm_head. The extra traffic,
-    fp32 partials [SPLIT_K, M, N] written and summed once, is small beside the weight for
-    M <= 128. 4-bit tiles use a BLOCK_K dividing the group size, so one scale/zero row serves
-    a tile. Measured per-shape configs (`tuned_configs`) take precedence over this rule.
+    least 2 blocks to pipeline. The extra traffic, fp32 partials [SPLIT_K, M, N] written and
+    summed once, is small beside the weight for M <= 128. 4-bit tiles use a BLOCK_K dividing
+    the group size, so one scale/zero row serves a tile.
     """
     tuned = tuned_configs().get(config_key(n, k, group_size))
     if tuned is not None:
