@@ -28,6 +28,19 @@ class ServiceSettings:
     gpu_fast_path: bool = True
     gpu_memory_fraction: float | None = None  # cap for this process on a shared GPU
 
+    def uses_gpu_fast_path(self) -> bool:
+        """On a GPU unless turned off; ConfigError when it is wanted but triton is missing."""
+        if not (self.device.startswith("cuda") and self.gpu_fast_path):
+            return False
+        from dflash_serve.kernels import is_triton_available
+
+        if not is_triton_available():
+            raise ConfigError(
+                "the GPU fast path needs triton (it comes with CUDA builds of torch); "
+                "install it or start with --no-gpu-fast-path"
+            )
+        return True
+
     def apply_memory_cap(self) -> None:
         """Cap this process's share of the GPU (two services share one card)."""
         if self.gpu_memory_fraction is not None and self.device.startswith("cuda"):

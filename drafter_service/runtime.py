@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from dflash_serve.errors import ConfigError, InvalidRequestError
+from dflash_serve.errors import InvalidRequestError
 from dflash_serve.feature_channel import decode_inline, open_shared_buffer
 from dflash_serve.feature_refs import InlineFeatures, SharedBufferInfo, SharedFeatures
-from dflash_serve.kernels import is_triton_available
+from dflash_serve.kernels import fast_path_startup
 from dflash_serve.service_info import DrafterInfo
 from drafter_service.config import DrafterServiceConfig
 from drafter_service.engine import DrafterEngine
@@ -28,18 +28,14 @@ class DrafterRuntime:
             service.device,
             show_progress=True,
         )
-        graph_batch_sizes = ()
-        if service.device.startswith("cuda") and service.gpu_fast_path:
-            if not is_triton_available():
-                raise ConfigError(
-                    "the GPU fast path needs triton (it comes with CUDA builds of torch); "
-                    "install it or start with --no-gpu-fast-path"
-                )
-            model.use_gpu_kernels()
-            graph_batch_sizes = tuple(range(1, service.max_batch_size + 1))
-        self.engine = DrafterEngine(
-            model, service.max_sessions, service.max_context_tokens, graph_batch_sizes
-        )
+        is_fast = service.uses_gpu_fast_path()
+        graph_batch_sizes = tuple(range(1, service.max_batch_size + 1)) if is_fast else ()
+        with fast_path_startup(is_fast):
+            if is_fast:
+                model.use_gpu_kernels()
+            self.engine = DrafterEngine(
+                model, service.max_sessions, service.max_context_tokens, graph_batch_sizes
+            )
         self.drafter = InProcessDrafter(
             self.engine, service.max_batch_size, service.max_wait_us, service.engine_threads
         )

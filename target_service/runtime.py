@@ -6,10 +6,10 @@ import logging
 
 import torch
 
-from dflash_serve.errors import ConfigError, InvalidRequestError
+from dflash_serve.errors import InvalidRequestError
 from dflash_serve.feature_channel import encode_inline
 from dflash_serve.feature_refs import InlineFeatures, SharedBufferInfo, SharedFeatures
-from dflash_serve.kernels import is_triton_available
+from dflash_serve.kernels import fast_path_startup
 from dflash_serve.service_info import TargetInfo
 from dflash_serve.speculative.types import TargetStep
 from target_service.config import TargetServiceConfig
@@ -31,23 +31,19 @@ class TargetRuntime:
             config.model, getattr(torch, service.resolved_dtype), service.device, True
         )
         shape = StateShape(service.max_sessions, service.max_context_tokens)
-        graph_batch_sizes = ()
-        if service.device.startswith("cuda") and service.gpu_fast_path:
-            if not is_triton_available():
-                raise ConfigError(
-                    "the GPU fast path needs triton (it comes with CUDA builds of torch); "
-                    "install it or start with --no-gpu-fast-path"
-                )
-            model.use_gpu_kernels(service.max_batch_size * shape.max_block_tokens)
-            graph_batch_sizes = tuple(range(1, service.max_batch_size + 1))
-        self.engine = TargetEngine(
-            model,
-            shape,
-            config.tap_layer_ids,
-            config.prefill_chunk_tokens,
-            share_features=service.device.startswith("cuda"),
-            graph_batch_sizes=graph_batch_sizes,
-        )
+        is_fast = service.uses_gpu_fast_path()
+        graph_batch_sizes = tuple(range(1, service.max_batch_size + 1)) if is_fast else ()
+        with fast_path_startup(is_fast):
+            if is_fast:
+                model.use_gpu_kernels(service.max_batch_size * shape.max_block_tokens)
+            self.engine = TargetEngine(
+                model,
+                shape,
+                config.tap_layer_ids,
+                config.prefill_chunk_tokens,
+                share_features=service.device.startswith("cuda"),
+                graph_batch_sizes=graph_batch_sizes,
+            )
         self.target = InProcessTarget(
             self.engine, service.max_batch_size, service.max_wait_us, service.engine_threads
         )

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from dflash_serve.errors import ConfigError, DflashError
 
 
 def is_triton_available() -> bool:
@@ -22,3 +26,20 @@ def is_interpreting() -> bool:
     kernels keep the native bf16 tensor-core dot.
     """
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@contextmanager
+def fast_path_startup(is_enabled: bool) -> Iterator[None]:
+    """Name the way out when compiling kernels or capturing graphs fails at start-up
+    (an unsupported GPU or model shape): the plain-torch path still serves."""
+    try:
+        yield
+    except DflashError:
+        raise
+    except Exception as error:
+        if not is_enabled:
+            raise
+        raise ConfigError(
+            f"the GPU fast path failed to start ({type(error).__name__}: {error}); "
+            "start the services with --no-gpu-fast-path to serve on the plain-torch path"
+        ) from error
