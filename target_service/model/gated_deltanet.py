@@ -96,7 +96,14 @@ class GatedDeltaNet(nn.Module):
         return expand_key_heads(q, self.num_value_heads), expand_key_heads(k, self.num_value_heads)
 
     def _prefill(self, q, k, v, decay, beta, slots, state: TargetState) -> torch.Tensor:
-        """Chunked (fast, not row-independent: prefill is shared by both decoding modes)."""
+        """Committed as it goes. Plain torch: in chunks (prefill is shared by both decoding
+        modes, so it need not be row-independent). On the kernel path: the verify's Triton
+        recurrence over the whole chunk, token by token, in place in the state pool."""
+        if self.recurrence_kernel is not None:
+            out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+            pool = state.recurrent_state[self.gdn_index]
+            self.recurrence_kernel(q, k, v, decay, beta, pool, pool, slots, out=out)
+            return out
         q, k = self._normalized_heads(q, k)
         initial = state.recurrent_state[self.gdn_index, slots]
         out, final = chunked_gated_delta_rule(q, k, v.float(), decay, beta, initial)
