@@ -54,7 +54,8 @@ class TargetEngine:
         """share_features: also write taps into a CUDA buffer other processes can map.
 
         graph_batch_sizes: capture CUDA graphs of the verify step for these batch sizes
-        (the model must already run on its GPU kernels, see `use_gpu_kernels`).
+        (the model must already run on its GPU kernels, see `use_gpu_kernels`); sizes above
+        the slot count are left out.
         """
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]
@@ -78,6 +79,8 @@ class TargetEngine:
                 shape.max_slots, shape.max_len, width, self.dtype, self.device
             )
         self.graphs: VerifyGraphs | None = None
+        # No batch of distinct slots is larger than the slot count.
+        graph_batch_sizes = tuple(b for b in graph_batch_sizes if b <= shape.max_slots)
         if graph_batch_sizes:
             most_rows = max(graph_batch_sizes) * shape.max_block_tokens
             if model.recurrence_kernel is None or most_rows > model.max_kernel_rows:

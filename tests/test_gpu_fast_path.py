@@ -180,6 +180,13 @@ def test_speculative_equals_plain_on_kernels(kernel_model, num_sequences):
     assert speculative == plain
 
 
+def test_graph_sizes_beyond_the_slots_are_left_out_and_the_rest_need_kernels(tiny_dir):
+    plain = load_target_model(tiny_dir, torch.bfloat16, "cpu")
+    assert TargetEngine(plain, StateShape(2, 64), graph_batch_sizes=(3, 4)).graphs is None
+    with pytest.raises(ValueError, match="graph_batch_sizes"):
+        TargetEngine(plain, StateShape(2, 64), graph_batch_sizes=(1, 2))
+
+
 @needs_gpu
 @pytest.mark.gpu
 def test_graph_replay_equals_eager(kernel_model):
