@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dflash_serve.kernels import is_interpreting
+from dflash_serve.kernels.jit_math import exact_exp, round_to
 from dflash_serve.layers import norm_math
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -37,23 +38,6 @@ def _inv_rms(x, D: tl.constexpr, eps, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         return tl.rsqrt(mean_sq + eps)
     return libdevice.rsqrt(mean_sq + eps)
-
-
-@triton.jit
-def _exp(x, INTERPRETED: tl.constexpr):
-    if INTERPRETED:
-        return tl.exp(x)
-    return libdevice.exp(x)
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 `x` rounded to nearest even in DTYPE; the interpreter's own cast truncates bf16."""
-    if INTERPRETED and DTYPE == tl.bfloat16:  # noqa: SIM300 (DTYPE is a constexpr)
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True).to(DTYPE)
-    return x.to(DTYPE)
 
 
 @triton.jit
@@ -75,7 +59,7 @@ def _rms_norm_kernel(
         scale = 1.0 + scale
     y = (x * _inv_rms(x, D, eps, INTERPRETED)) * scale
     out_ptrs = out_ptr + row_a * out_stride_a + row_b * out_stride_b + cols
-    tl.store(out_ptrs, _round(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.store(out_ptrs, round_to(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -94,15 +78,15 @@ def _gated_rms_norm_kernel(
     x = tl.load(x_ptr + row_a * x_stride_a + row_b * x_stride_b + cols, mask=mask, other=0.0)
     x = x.to(tl.float32)
     normed = x * _inv_rms(x, D, eps, INTERPRETED)
-    normed = _round(normed, x_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)
+    normed = round_to(normed, x_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    weighted = _round(w * normed, PRODUCT_DTYPE, INTERPRETED).to(tl.float32)
+    weighted = round_to(w * normed, PRODUCT_DTYPE, INTERPRETED).to(tl.float32)
     gate_ptrs = gate_ptr + row_a * gate_stride_a + row_b * gate_stride_b + cols
     z = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    silu_z = z * tl.div_rn(1.0, 1.0 + _exp(-z, INTERPRETED))
+    silu_z = z * tl.div_rn(1.0, 1.0 + exact_exp(-z, INTERPRETED))
     y = weighted * silu_z
     out_ptrs = out_ptr + row_a * out_stride_a + row_b * out_stride_b + cols
-    tl.store(out_ptrs, _round(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.store(out_ptrs, round_to(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 def rms_norm(

@@ -34,6 +34,7 @@ from dflash_serve.checkpoint.int4_formats import (
     _unpack_nibbles,
 )
 from dflash_serve.kernels import is_interpreting
+from dflash_serve.kernels.jit_math import round_to
 
 BLOCK_M = 16
 NUM_SMS = 132  # H200; a constant, so the config never depends on the machine either
@@ -199,20 +200,6 @@ def _dot_acc(x, w, acc, DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def to_bf16(x, ROUND_ON_BITS: tl.constexpr):
-    """fp32 -> bf16, rounding to nearest even.
-
-    The interpreter's cast truncates (Triton 3.9), so there the rounding is done on the bits
-    of finite values first and the cast only drops zero bits; compiled casts round already.
-    """
-    if ROUND_ON_BITS:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
 def _store_tile(
     out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om,
     SPLIT_K: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
@@ -223,7 +210,7 @@ def _store_tile(
     if SPLIT_K > 1:
         tl.store(ptrs, acc, mask=mask)
     else:
-        tl.store(ptrs, to_bf16(acc, ROUND_ON_BITS), mask=mask)
+        tl.store(ptrs, round_to(acc, tl.bfloat16, ROUND_ON_BITS), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "stride_os"])
@@ -273,7 +260,7 @@ def _int4_kernel(
         group = k0 // GROUP_SIZE
         s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
         z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.int32)
-        w = to_bf16((q - z[None, :]).to(tl.float32) * s[None, :], ROUND_ON_BITS)
+        w = round_to((q - z[None, :]).to(tl.float32) * s[None, :], tl.bfloat16, ROUND_ON_BITS)
         acc = _dot_acc(x, w, acc, DOT_IN_FP32)
     _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, SPLIT_K, ROUND_ON_BITS)
 
@@ -289,7 +276,7 @@ def _sum_splits_kernel(
     for split in tl.static_range(1, SPLIT_K):
         acc += tl.load(partial_ptr + split * M * N + offs, mask=mask, other=0.0)
     out_ptrs = out_ptr + (offs // N) * stride_om + offs % N
-    tl.store(out_ptrs, to_bf16(acc, ROUND_ON_BITS), mask=mask)
+    tl.store(out_ptrs, round_to(acc, tl.bfloat16, ROUND_ON_BITS), mask=mask)
 
 
 def row_matmul(

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from dflash_serve.kernels import is_interpreting
-from dflash_serve.kernels.row_matmul import to_bf16
+from dflash_serve.kernels.jit_math import round_to
 from dflash_serve.layers.activations import silu
 
 BLOCK = 1024
@@ -30,7 +30,7 @@ def _silu_mul_kernel(
     up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
     if IS_BF16:
-        out = to_bf16(out, ROUND_ON_BITS)
+        out = round_to(out, tl.bfloat16, ROUND_ON_BITS)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dflash_serve.kernels import is_interpreting
-from dflash_serve.kernels.rms_norm import _exp, _round
+from dflash_serve.kernels.jit_math import exact_exp, round_to
 from dflash_serve.layers.activations import SOFTPLUS_THRESHOLD, sigmoid, silu, softplus
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
@@ -48,7 +48,7 @@ def _log1p(y, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _sigmoid(x, INTERPRETED: tl.constexpr):
-    return tl.div_rn(1.0, 1.0 + _exp(-x, INTERPRETED))
+    return tl.div_rn(1.0, 1.0 + exact_exp(-x, INTERPRETED))
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _tap(
     pos = t + j - (W - 1)
     if pos < 0:
         x = tl.load(state_at + (t + j) * stride_state_w, mask=mask, other=0.0).to(tl.float32)
-        x = _round(x, x_at.dtype.element_ty, INTERPRETED).to(tl.float32)
+        x = round_to(x, x_at.dtype.element_ty, INTERPRETED).to(tl.float32)
     else:
         x = tl.load(x_at + pos * stride_x_t, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weight_at + j * stride_weight_w, mask=mask, other=0.0)
@@ -112,11 +112,11 @@ def _gdn_inputs_kernel(
             x_at, stride_x_t, state_at, stride_state_w, weight_at, stride_weight_w, t, mask,
             j, W, INTERPRETED,
         )  # fmt: skip
-    out = _round(conv * _sigmoid(conv, INTERPRETED), out_ptr.dtype.element_ty, INTERPRETED)
+    out = round_to(conv * _sigmoid(conv, INTERPRETED), out_ptr.dtype.element_ty, INTERPRETED)
     tl.store(out_ptr + seq * stride_out_b + t * stride_out_t + cols, out, mask=mask)
 
     x = tl.load(x_at + t * stride_x_t, mask=mask).to(tl.float32)
-    rec_x = _round(x, rec_x_ptr.dtype.element_ty, INTERPRETED)
+    rec_x = round_to(x, rec_x_ptr.dtype.element_ty, INTERPRETED)
     tl.store(rec_x_ptr + slot * stride_rec_x_s + t * stride_rec_x_t + cols, rec_x, mask=mask)
     out = out.to(tl.float32)
     is_key = (cols >= KEY_DIM) & (cols < 2 * KEY_DIM)
@@ -134,8 +134,8 @@ def _gdn_inputs_kernel(
         dt_bias = tl.load(dt_bias_ptr + heads, mask=mask_h, other=0.0)
         g = a.to(tl.float32) + dt_bias
         # exp of min(g, THRESHOLD): where softplus(g) = g the log1p branch is discarded anyway.
-        log_term = _log1p(_exp(tl.minimum(g, THRESHOLD), INTERPRETED), INTERPRETED)
-        decay = -_exp(a_log, INTERPRETED) * tl.where(g > THRESHOLD, g, log_term)
+        log_term = _log1p(exact_exp(tl.minimum(g, THRESHOLD), INTERPRETED), INTERPRETED)
+        decay = -exact_exp(a_log, INTERPRETED) * tl.where(g > THRESHOLD, g, log_term)
         beta = _sigmoid(b.to(tl.float32), INTERPRETED)
         tl.store(decay_ptr + seq * stride_decay_b + t * stride_decay_t + heads, decay, mask=mask_h)
         tl.store(beta_ptr + seq * stride_beta_b + t * stride_beta_t + heads, beta, mask=mask_h)

@@ -1,0 +1,31 @@
+"""Triton device functions several kernels share: an exp that matches torch's, and fp32
+rounding to a narrower dtype that Triton's interpreter gets right.
+
+On the GPU `exact_exp` is libdevice's `expf` (what torch's CUDA kernels call; `tl.exp` is
+approximate there) and `round_to` is the plain round-to-nearest-even cast. Triton's CPU
+interpreter has no libdevice, and its fp32 → bf16 cast truncates (Triton 3.9), so there
+`INTERPRETED` selects `tl.exp` and a rounding done on the bits first.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def exact_exp(x, INTERPRETED: tl.constexpr):
+    if INTERPRETED:
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 `x` rounded to nearest even in DTYPE."""
+    if INTERPRETED and DTYPE == tl.bfloat16:  # noqa: SIM300 (DTYPE is a constexpr)
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True).to(DTYPE)
+    return x.to(DTYPE)
