@@ -79,10 +79,8 @@ class DrafterEngine:
             raise InvalidRequestError(
                 f"slot {slot}: context would exceed max_len {self.cache.max_len}"
             )
-        if num_drafts and self.cache.lengths[slot] + features.shape[0] + num_drafts + 1 > (
-            self.cache.max_len
-        ):
-            raise InvalidRequestError(f"slot {slot}: block would exceed max_len")
+        if num_drafts:
+            self._check_block_room(slot, features.shape[0], num_drafts)
 
     @torch.inference_mode()
     def add_context_and_draft(
@@ -115,9 +113,13 @@ class DrafterEngine:
         """Propose `num_drafts` tokens after each anchor (one forward for all slots)."""
         self._check_draft(slots, anchor_ids, num_drafts)
         for slot in slots:
-            if self.cache.lengths[slot] + num_drafts + 1 > self.cache.max_len:
-                raise InvalidRequestError(f"slot {slot}: block would exceed max_len")
+            self._check_block_room(slot, 0, num_drafts)
         return self._draft_checked(slots, self._blocks(anchor_ids, num_drafts))
+
+    def _check_block_room(self, slot: int, num_new_context: int, num_drafts: int) -> None:
+        """The anchor and drafts must fit after the context (and its new rows)."""
+        if self.cache.lengths[slot] + num_new_context + num_drafts + 1 > self.cache.max_len:
+            raise InvalidRequestError(f"slot {slot}: block would exceed max_len")
 
     def _blocks(self, anchor_ids: list[int], num_drafts: int) -> list[list[int]]:
         mask = self.config.mask_token_id

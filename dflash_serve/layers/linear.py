@@ -50,7 +50,7 @@ class RowIndependentLinear(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.max_kernel_rows * x.shape[-1]:
+        if fits_row_kernel(x, self.max_kernel_rows):
             return row_kernel_linear(x, self.kernel_weight())
         return row_stable_linear(x, self.weight)
 
@@ -63,6 +63,11 @@ class Linear(RowIndependentLinear):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+
+def fits_row_kernel(x: torch.Tensor, max_rows: int) -> bool:
+    """Whether x [..., K] has at most `max_rows` rows (0: the kernel path is off)."""
+    return x.numel() <= max_rows * x.shape[-1]
 
 
 def row_kernel_linear(x: torch.Tensor, weight) -> torch.Tensor:
@@ -134,7 +139,7 @@ class RowKernelGroup:
             self.calls.append((indices, stacked, sizes))
 
     def accepts(self, x: torch.Tensor) -> bool:
-        return x.numel() <= self.max_kernel_rows * x.shape[-1]
+        return fits_row_kernel(x, self.max_kernel_rows)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [..., K] → each linear's output [..., N_i], in the order given (possibly views)."""

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_serve.layers.linear import RowIndependentLinear, row_kernel_linear, row_stable_linear
+from dflash_serve.layers.linear import (
+    RowIndependentLinear,
+    fits_row_kernel,
+    row_kernel_linear,
+    row_stable_linear,
+)
 from dflash_serve.layers.mlp import SwiGLU
 from dflash_serve.layers.norms import GatedRMSNorm, RMSNorm
 from dflash_serve.layers.rotary import RotaryEmbedding
@@ -108,6 +113,6 @@ class Qwen35TextModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., hidden] → fp32 logits [..., vocab]."""
-        if hidden.numel() <= self.max_kernel_rows * hidden.shape[-1]:
+        if fits_row_kernel(hidden, self.max_kernel_rows):
             return row_kernel_linear(hidden, self.head_weight).float()
         return row_stable_linear(hidden, self.head_weight).float()
