@@ -4,15 +4,17 @@ Rows stay independent whatever is chosen, because the choice depends on the weig
 and kind only. Candidates are compiled in parallel worker processes (they fill Triton's disk
 cache), then timed one by one as CUDA graphs of 20 calls (GPU time, no launch overhead) at
 16 rows (one verify block) and 128 rows (8 blocks). The best by t16 + t128 / 4 is written to
-dflash_serve/kernels/row_matmul_configs.json, with the machine and the timings.
+dflash_serve/kernels/row_matmul_configs.json, with the machine and the timings; `--kinds int4`
+re-tunes only the 4-bit shapes and keeps the dense entries (each timing names its commit).
 
-    python -m bench.tune_row_matmul [--jobs 16]
+    python -m bench.tune_row_matmul [--jobs 16] [--kinds dense,int4]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import multiprocessing
 import sys
@@ -38,25 +40,27 @@ CALLS_PER_GRAPH = 20
 
 
 def candidates(n: int, k: int, group: int | None) -> list[MatmulConfig]:
-    block_ks = (64, 128) if group is None else (32, 64, 128)
+    """Tile sizes, split-K and row tiles per program. (32-wide tiles, BLOCK_K 32 and 8 warps
+    never won in the earlier sweeps on the H200, f8a438b and 48f68c5, so they are left out.)"""
     configs = {}
-    for block_n in (32, 64, 128):
+    for block_n, block_k, row_tiles in itertools.product((64, 128), (64, 128), (1, 4, 8)):
         if block_n > max(16, triton.next_power_of_2(n)) * 2:
             continue
-        for block_k in block_ks:
-            num_blocks = triton.cdiv(k, block_k)
-            for wanted in (1, 2, 4, 8, 16):
-                per_split = triton.cdiv(num_blocks, wanted)
-                split = triton.cdiv(num_blocks, per_split)
-                config = MatmulConfig(
-                    block_n=block_n,
-                    block_k=block_k,
-                    k_per_split=per_split * block_k,
-                    split_k=split,
-                    num_warps=4,
-                    num_stages=3,
-                )
-                configs[config] = None
+        if group is not None and group % block_k:
+            continue
+        num_blocks = triton.cdiv(k, block_k)
+        for wanted in (1, 2, 4, 8, 16):
+            per_split = triton.cdiv(num_blocks, wanted)
+            config = MatmulConfig(
+                block_n=block_n,
+                block_k=block_k,
+                k_per_split=per_split * block_k,
+                split_k=triton.cdiv(num_blocks, per_split),
+                num_warps=4,
+                num_stages=3,
+                row_tiles=row_tiles,
+            )
+            configs[config] = None
     return list(configs)
 
 
@@ -73,8 +77,9 @@ def make_weight(n: int, k: int, group: int | None):
     )
 
 
-def jobs() -> list[tuple[int, int, int | None]]:
-    return [(n, k, None) for n, k in DENSE_SHAPES] + [(n, k, GROUP) for n, k in INT4_SHAPES]
+def jobs(kinds: tuple[str, ...]) -> list[tuple[int, int, int | None]]:
+    dense = [(n, k, None) for n, k in DENSE_SHAPES] if "dense" in kinds else []
+    return dense + ([(n, k, GROUP) for n, k in INT4_SHAPES] if "int4" in kinds else [])
 
 
 def compile_job(job) -> int:
@@ -111,13 +116,20 @@ def graph_us(x, weight, config) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--jobs", type=int, default=16)
+    parser.add_argument("--kinds", default="dense,int4", help="weight kinds to (re-)tune")
     args = parser.parse_args()
+    kinds = tuple(args.kinds.split(","))
+    if not kinds or set(kinds) - {"dense", "int4"}:
+        parser.error(f"--kinds: a comma-separated subset of dense,int4, got {args.kinds!r}")
     facts = run_facts("python -m bench.tune_row_matmul " + " ".join(sys.argv[1:]))
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.jobs) as pool:
-        print("compiled", sum(pool.map(compile_job, jobs())), "candidates", flush=True)
-    chosen, timings = {}, {}
-    for n, k, group in jobs():
+        print("compiled", sum(pool.map(compile_job, jobs(kinds))), "candidates", flush=True)
+    kept = json.loads(TUNED_CONFIGS_PATH.read_text()) if TUNED_CONFIGS_PATH.exists() else {}
+    keep = [key for key in kept.get("configs", {}) if key.split(":")[0] not in kinds]
+    chosen = {key: kept["configs"][key] for key in keep}
+    timings = {key: {"commit": kept["commit"]} | kept["timings_us"][key] for key in keep}
+    for n, k, group in jobs(kinds):
         weight = make_weight(n, k, group)
         rows = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (16, 128)}
         results = []
@@ -130,6 +142,7 @@ def main() -> None:
         chosen[key] = dataclasses.asdict(best)
         bytes_read = weight.nbytes if group is None else n * k // 2
         timings[key] = {
+            "commit": facts["commit"],
             "us_16_rows": t16,
             "us_128_rows": t128,
             "gbps_16_rows": bytes_read / t16 / 1e3,
@@ -137,6 +150,8 @@ def main() -> None:
         }
         print(key, timings[key], chosen[key], flush=True)
     record = facts | {"configs": chosen, "timings_us": timings}
+    if kept.get("note") and keep:
+        record["note"] = f"Entries measured at {kept['commit']}: {kept['note']}"
     TUNED_CONFIGS_PATH.write_text(json.dumps(record, indent=1) + "\n")
     print("wrote", TUNED_CONFIGS_PATH)
 

@@ -8,6 +8,8 @@ module's oracle). Where the product is exact (one-hot rows) and for row independ
 comparison is bit for bit.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -130,6 +132,27 @@ def test_rows_independent(kind, shape):
     n, k, group_size = shape
     weight, _ = make_weight(kind, n, k, group_size)
     assert_rows_independent(random_rows(37, k, seed=2), weight)
+
+
+@pytest.mark.parametrize("kind", ["dense", "awq"])
+@pytest.mark.parametrize("row_tiles", [2, 4, 8])
+def test_row_tiles_per_program_change_no_bit(kind, row_tiles):
+    """A program serving several row tiles with each weight tile gives every row the bits of
+    one tile per program, for full, ragged and missing tiles (37 rows = 2 tiles + 5 rows)."""
+    n, k, group_size = SHAPES[1]
+    weight, oracle = make_weight(kind, n, k, group_size)
+    single = matmul_config(n, k, None if kind == "dense" else group_size)
+    shared = dataclasses.replace(single, row_tiles=row_tiles)
+    x = random_rows(37, k, seed=11)
+    for rows in (1, 16, 37):
+        expected = row_matmul(x[:rows], weight, config=single)
+        assert torch.equal(row_matmul(x[:rows], weight, config=shared), expected), rows
+    assert_close_to_reference(row_matmul(x, weight, config=shared), x, oracle)
+
+
+def test_row_tiles_must_be_a_power_of_two_up_to_8():
+    with pytest.raises(ValueError, match="row_tiles must be"):
+        dataclasses.replace(matmul_config(*SHAPES[1][:2]), row_tiles=3)
 
 
 def test_split_sum_order_is_fixed():

@@ -130,7 +130,9 @@ def repack_int4(packed: PackedInt4Weight) -> RepackedInt4:
 @dataclass(frozen=True)
 class MatmulConfig:
     """One launch: row tiles of block_m, output tiles of block_n, K in split_k slices of
-    k_per_split (a multiple of block_k; the last may be shorter), block_k per loop step."""
+    k_per_split (a multiple of block_k; the last may be shorter), block_k per loop step.
+    A program serves up to row_tiles row tiles (1, 2, 4 or 8) with each weight tile it loads,
+    one tile-sized dot per row tile, so several verify blocks share one weight read."""
 
     block_n: int
     block_k: int
@@ -139,6 +141,11 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     block_m: int = BLOCK_M
+    row_tiles: int = 1
+
+    def __post_init__(self) -> None:
+        if self.row_tiles not in (1, 2, 4, 8):
+            raise ValueError(f"row_tiles must be 1, 2, 4 or 8, got {self.row_tiles}")
 
 
 def matmul_config(n: int, k: int, group_size: int | None = None) -> MatmulConfig:
@@ -200,11 +207,41 @@ def _dot_acc(x, w, acc, DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def _x_tile_dot(
+    x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc,
+    BLOCK_M: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):  # fmt: skip
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)
+    return _dot_acc(x, w, acc, DOT_IN_FP32)
+
+
+@triton.jit
+def _row_tile_dot(
+    x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc,
+    BLOCK_M: tl.constexpr, DOT_IN_FP32: tl.constexpr, MAY_BE_EMPTY: tl.constexpr,
+):  # fmt: skip
+    """acc + x[row0 : row0 + BLOCK_M, offs_k] @ w. A program's first tile always has rows;
+    a later one (MAY_BE_EMPTY) with none (row0 >= M) is skipped, so spare row tiles cost a
+    branch, not a dot."""
+    if MAY_BE_EMPTY:
+        if row0 < M:
+            acc = _x_tile_dot(
+                x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc, BLOCK_M, DOT_IN_FP32
+            )
+    else:
+        acc = _x_tile_dot(x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc, BLOCK_M, DOT_IN_FP32)
+    return acc
+
+
+@triton.jit
 def _store_tile(
-    out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om,
-    SPLIT_K: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+    out_ptr, acc, row0, offs_n, M, N, stride_os, stride_om,
+    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
 ):  # fmt: skip
     """bf16 into out, or fp32 into split `program_id(2)` of the partials [SPLIT_K, M, N]."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     ptrs = out_ptr + tl.program_id(2) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT_K > 1:
@@ -213,56 +250,149 @@ def _store_tile(
         tl.store(ptrs, round_to(acc, tl.bfloat16, ROUND_ON_BITS), mask=mask)
 
 
+@triton.jit
+def _tiles_step(
+    x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
+    acc7, BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):  # fmt: skip
+    """One weight tile against each of the program's row tiles. Every row tile runs the same
+    BLOCK_M-row dot in the same K order whatever ROW_TILES is, so a row's result does not
+    depend on how many tiles share the program (accumulators past ROW_TILES are unused)."""
+    acc0 = _row_tile_dot(
+        x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc0, BLOCK_M, DOT_IN_FP32, False
+    )
+    if ROW_TILES > 1:
+        row1 = row0 + BLOCK_M
+        acc1 = _row_tile_dot(
+            x_ptr, row1, M, stride_xm, offs_k, k_mask, w, acc1, BLOCK_M, DOT_IN_FP32, True
+        )
+    if ROW_TILES > 2:
+        row2, row3 = row0 + 2 * BLOCK_M, row0 + 3 * BLOCK_M
+        acc2 = _row_tile_dot(
+            x_ptr, row2, M, stride_xm, offs_k, k_mask, w, acc2, BLOCK_M, DOT_IN_FP32, True
+        )
+        acc3 = _row_tile_dot(
+            x_ptr, row3, M, stride_xm, offs_k, k_mask, w, acc3, BLOCK_M, DOT_IN_FP32, True
+        )
+    if ROW_TILES > 4:
+        row4, row5 = row0 + 4 * BLOCK_M, row0 + 5 * BLOCK_M
+        row6, row7 = row0 + 6 * BLOCK_M, row0 + 7 * BLOCK_M
+        acc4 = _row_tile_dot(
+            x_ptr, row4, M, stride_xm, offs_k, k_mask, w, acc4, BLOCK_M, DOT_IN_FP32, True
+        )
+        acc5 = _row_tile_dot(
+            x_ptr, row5, M, stride_xm, offs_k, k_mask, w, acc5, BLOCK_M, DOT_IN_FP32, True
+        )
+        acc6 = _row_tile_dot(
+            x_ptr, row6, M, stride_xm, offs_k, k_mask, w, acc6, BLOCK_M, DOT_IN_FP32, True
+        )
+        acc7 = _row_tile_dot(
+            x_ptr, row7, M, stride_xm, offs_k, k_mask, w, acc7, BLOCK_M, DOT_IN_FP32, True
+        )
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _store_tiles(
+    out_ptr, row0, offs_n, M, N, stride_os, stride_om, acc0, acc1, acc2, acc3, acc4, acc5,
+    acc6, acc7, BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, SPLIT_K: tl.constexpr,
+    ROUND_ON_BITS: tl.constexpr,
+):  # fmt: skip
+    _store_tile(out_ptr, acc0, row0, offs_n, M, N, stride_os, stride_om,
+                BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+    if ROW_TILES > 1:
+        _store_tile(out_ptr, acc1, row0 + BLOCK_M, offs_n, M, N, stride_os, stride_om,
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+    if ROW_TILES > 2:
+        _store_tile(out_ptr, acc2, row0 + 2 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+        _store_tile(out_ptr, acc3, row0 + 3 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+    if ROW_TILES > 4:
+        _store_tile(out_ptr, acc4, row0 + 4 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+        _store_tile(out_ptr, acc5, row0 + 5 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+        _store_tile(out_ptr, acc6, row0 + 6 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+        _store_tile(out_ptr, acc7, row0 + 7 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["M", "stride_os"])
 def _dense_kernel(
     x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_os, stride_om,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
 ):  # fmt: skip
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = tl.program_id(0) * (BLOCK_M * ROW_TILES)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(2) * K_PER_SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
         w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
         w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = _dot_acc(x, w, acc, DOT_IN_FP32)
-    _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, SPLIT_K, ROUND_ON_BITS)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_step(
+            x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w,
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_M, ROW_TILES, DOT_IN_FP32,
+        )  # fmt: skip
+    _store_tiles(out_ptr, row0, offs_n, M, N, stride_os, stride_om,
+                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                 BLOCK_M, ROW_TILES, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+
+
+@triton.jit
+def _dequantize_words(words, s, z, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K / 8, BLOCK_N] packed words -> the fp32 tile [BLOCK_K, BLOCK_N], (q - z) * s.
+
+    Without an int -> float conversion per weight (conversions are the slow unit): the
+    nibble is OR-ed into the mantissa of 2^23, giving the float 2^23 + q exactly, and
+    2^23 + z is subtracted, which is exact too. Row 8j + i of the tile is nibble i of word
+    row j, the order `RepackedInt4` stores.
+    """
+    nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+    magic = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)
+    zero_magic = z.to(tl.float32) + 8388608.0
+    w = (magic - zero_magic[None, None, :]) * s[None, None, :]
+    return tl.reshape(w, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit(do_not_specialize=["M", "stride_os"])
 def _int4_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, stride_xm, stride_os, stride_om,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
 ):  # fmt: skip
-    """One [BLOCK_K, BLOCK_N] weight tile per step, within one group; each packed word is
-    read by the 8 rows of its nibbles (L1 hits: DRAM sees it once)."""
+    """One [BLOCK_K, BLOCK_N] weight tile per step, within one group, built from
+    BLOCK_K / 8 rows of packed words, each loaded once."""
     tl.static_assert(GROUP_SIZE % BLOCK_K == 0)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.static_assert(BLOCK_K % 8 == 0)
+    row0 = tl.program_id(0) * (BLOCK_M * ROW_TILES)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
     k_start = tl.program_id(2) * K_PER_SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
-        q_ptrs = q_ptr + (offs_k[:, None] // 8) * N + offs_n[None, :]
-        q = (tl.load(q_ptrs, mask=n_mask[None, :], other=0) >> shifts[:, None]) & 0xF
+        offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(q_ptr + offs_word[:, None] * N + offs_n[None, :], mask=n_mask[None, :])
         group = k0 // GROUP_SIZE
         s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
-        z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.int32)
-        w = round_to((q - z[None, :]).to(tl.float32) * s[None, :], tl.bfloat16, ROUND_ON_BITS)
-        acc = _dot_acc(x, w, acc, DOT_IN_FP32)
-    _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, SPLIT_K, ROUND_ON_BITS)
+        z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0)
+        w = round_to(_dequantize_words(words, s, z, BLOCK_K, BLOCK_N), tl.bfloat16, ROUND_ON_BITS)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_step(
+            x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w,
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_M, ROW_TILES, DOT_IN_FP32,
+        )  # fmt: skip
+    _store_tiles(out_ptr, row0, offs_n, M, N, stride_os, stride_om,
+                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                 BLOCK_M, ROW_TILES, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -307,8 +437,10 @@ def row_matmul(
     if config.split_k > 1:
         target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
     stride_os, stride_om = (m * n, n) if config.split_k > 1 else (0, out.stride(0))
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, config.block_n), config.split_k)
+    rows_per_program = BLOCK_M * config.row_tiles
+    grid = (triton.cdiv(m, rows_per_program), triton.cdiv(n, config.block_n), config.split_k)
     shape_args = {"N": n, "K": k, "K_PER_SPLIT": config.k_per_split, "BLOCK_M": BLOCK_M}
+    shape_args |= {"ROW_TILES": config.row_tiles}
     shape_args |= {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT_K": config.split_k}
     is_interpreted = is_interpreting()
     launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
