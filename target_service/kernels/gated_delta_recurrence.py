@@ -135,18 +135,33 @@ def _recurrent_gated_delta_kernel(
     g_at = g_ptr + b * stride_g_b + h * stride_g_h
     beta_at = beta_ptr + b * stride_beta_b + h * stride_beta_h
     out_row = out_ptr + b * stride_out_b + h * stride_out_h + offs_v * stride_out_v
+    # Token t + 1's inputs are loaded while token t is computed (they do not depend on the
+    # state), hiding the global-memory latency that bounds a short block; the arithmetic of
+    # each token is unchanged. The last step re-loads token T - 1 (always in bounds: T >= 1).
+    k_next = tl.load(k_row, mask=mask_k, other=0.0)
+    v_next = tl.load(v_row, mask=mask_v, other=0.0)
+    g_next = tl.load(g_at)
+    beta_next = tl.load(beta_at)
+    if HAS_OUT:
+        q_next = tl.load(q_row, mask=mask_k, other=0.0)
     for t in range(0, num_steps):
-        k = tl.load(k_row + t * stride_k_t, mask=mask_k, other=0.0).to(tl.float32)
+        k, v, g, beta = k_next.to(tl.float32), v_next.to(tl.float32), g_next, beta_next
+        if HAS_OUT:
+            q = q_next.to(tl.float32)
+        following = tl.minimum(t + 1, T - 1)
+        k_next = tl.load(k_row + following * stride_k_t, mask=mask_k, other=0.0)
+        v_next = tl.load(v_row + following * stride_v_t, mask=mask_v, other=0.0)
+        g_next = tl.load(g_at + following * stride_g_t)
+        beta_next = tl.load(beta_at + following * stride_beta_t)
+        if HAS_OUT:
+            q_next = tl.load(q_row + following * stride_q_t, mask=mask_k, other=0.0)
         k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + EPS)
-        v = tl.load(v_row + t * stride_v_t, mask=mask_v, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_at + t * stride_g_t))
-        beta = tl.load(beta_at + t * stride_beta_t)
+        decay = tl.exp(g)
         state = state * decay
         remembered = tl.sum(state * k[:, None], axis=0)
         delta = (v - remembered) * beta
         state = state + k[:, None] * delta[None, :]
         if HAS_OUT:
-            q = tl.load(q_row + t * stride_q_t, mask=mask_k, other=0.0).to(tl.float32)
             q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + EPS) * SCALE
             o = tl.sum(state * q[:, None], axis=0)
             tl.store(out_row + t * stride_out_t, o, mask=mask_v)
@@ -180,6 +195,9 @@ def recurrent_gated_delta(
     """
     _check_arguments(q, k, v, g, beta, initial_states, final_states, slots, num_tokens, out)
     num_seqs, num_steps, num_key_heads, key_dim = q.shape
+    if num_steps == 0:  # nothing to apply (and no token 0 for the kernel's first load)
+        final_states[slots] = initial_states[slots]
+        return
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     block_v = min(triton.next_power_of_2(value_dim), MAX_BLOCK_V)
     grid = (num_seqs, num_value_heads, triton.cdiv(value_dim, block_v))
