@@ -1,5 +1,7 @@
 """Prefill time of the 4B-shaped target at several prompt lengths (TTFT's main part), on the
-plain-torch path and on the kernel path, with the gap between their last logits.
+plain-torch path and on the kernel path, with the gap between their last logits. Where fla-core
+is installed the kernel path's GDN prefill is its chunked rule, and the token-by-token kernel
+is timed as a third path (`kernels_token_loop`).
 
 python -m bench.prefill --out bench/results/prefill-h200.json [--lengths 64 2048 8192]
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 from bench.measure_engine import build_target
 from bench.timing import median_ms, run_facts
 from dflash_serve.checkpoint.synthetic import QWEN35_4B_TEXT, write_target
+from target_service.model.gated_deltanet import GatedDeltaNet
 
 LENGTHS = (64, 2048, 8192)
 
@@ -31,9 +34,22 @@ def main() -> None:
         results["commit"] = args.commit
     model_dir = write_target(Path(tempfile.mkdtemp()) / "t", QWEN35_4B_TEXT, "bf16", device="cuda")
     last_logits = {}
-    for path, is_fast in (("plain", False), ("kernels", True)):
-        engine = build_target(model_dir, 1, max(args.lengths) + 16, fast_path=is_fast)
+    for path in ("plain", "kernels", "kernels_token_loop"):
+        engine = build_target(model_dir, 1, max(args.lengths) + 16, fast_path=path != "plain")
+        layers = [m for m in engine.model.modules() if isinstance(m, GatedDeltaNet)]
+        if path == "kernels":
+            rule = layers[0].chunk_rule
+            results["gdn_prefill_on_kernels"] = "token loop" if rule is None else rule.__module__
+        if path == "kernels_token_loop":
+            if layers[0].chunk_rule is None:
+                break  # the kernel path already was the token loop
+            for layer in layers:
+                layer.chunk_rule = None
         results[f"prefill_ms_{path}"] = {}
+        for length in args.lengths:  # first calls of a length compile and plan: not timed
+            slot = engine.open_sequence()
+            engine.prefill(slot, [(i * 7919) % 240000 for i in range(length)])
+            engine.close_sequence(slot)
         for length in args.lengths:
             prompt = [(i * 7919) % 240000 for i in range(length)]
 
@@ -50,6 +66,13 @@ def main() -> None:
         str(n): float((last_logits[("kernels", n)] - last_logits[("plain", n)]).abs().max())
         for n in args.lengths
     }
+    if ("kernels_token_loop", args.lengths[0]) in last_logits:
+        results["max_logit_gap_token_loop_vs_plain"] = {
+            str(n): float(
+                (last_logits[("kernels_token_loop", n)] - last_logits[("plain", n)]).abs().max()
+            )
+            for n in args.lengths
+        }
     print(json.dumps(results, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -46,17 +46,21 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps)
         self.out_proj = Linear(value_dim, hidden)
-        self.recurrence_kernel = None  # these three are set by use_gpu_kernels / fuse_row_kernels
+        self.recurrence_kernel = None  # these four are set by use_gpu_kernels / fuse_row_kernels
         self.inputs_kernel = None
+        self.chunk_rule = None
         self.in_projs: RowKernelGroup | None = None
 
     def use_gpu_kernels(self) -> None:
-        """Run verify/decode on Triton kernels (imported here: a GPU dependency)."""
+        """Run verify/decode on Triton kernels (imported here: a GPU dependency), and prefill
+        on fla-core's chunked kernels where it is installed."""
+        from target_service.kernels.chunked_prefill import load_chunk_rule
         from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
         from target_service.kernels.gdn_inputs import prepare_gdn_inputs
 
         self.recurrence_kernel = recurrent_gated_delta
         self.inputs_kernel = prepare_gdn_inputs
+        self.chunk_rule = load_chunk_rule()
 
     def fuse_row_kernels(self) -> None:
         """The four input projections as one kernel matmul per weight kind."""
@@ -97,8 +101,14 @@ class GatedDeltaNet(nn.Module):
 
     def _prefill(self, q, k, v, decay, beta, slots, state: TargetState) -> torch.Tensor:
         """Committed as it goes. Plain torch: in chunks (prefill is shared by both decoding
-        modes, so it need not be row-independent). On the kernel path: the verify's Triton
-        recurrence over the whole chunk, token by token, in place in the state pool."""
+        modes, so it need not be row-independent). On the kernel path: fla-core's chunked
+        kernels if installed, else the verify's Triton recurrence token by token; both in
+        place in the state pool."""
+        if self.chunk_rule is not None:
+            from target_service.kernels.chunked_prefill import chunked_prefill
+
+            pool = state.recurrent_state[self.gdn_index]
+            return chunked_prefill(self.chunk_rule, q, k, v, decay, beta, pool, slots)
         if self.recurrence_kernel is not None:
             out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
             pool = state.recurrent_state[self.gdn_index]
