@@ -319,32 +319,6 @@ def _store_tiles(
                     BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["M", "stride_os"])
-def _dense_kernel(
-    x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_os, stride_om,
-    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
-):  # fmt: skip
-    row0 = tl.program_id(0) * (BLOCK_M * ROW_TILES)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = tl.program_id(2) * K_PER_SPLIT
-    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
-    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_step(
-            x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w,
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_M, ROW_TILES, DOT_IN_FP32,
-        )  # fmt: skip
-    _store_tiles(out_ptr, row0, offs_n, M, N, stride_os, stride_om,
-                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                 BLOCK_M, ROW_TILES, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
-
-
 @triton.jit
 def _dequantize_words(words, s, z, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_K / 8, BLOCK_N] packed words -> the fp32 tile [BLOCK_K, BLOCK_N], (q - z) * s.
@@ -361,31 +335,48 @@ def _dequantize_words(words, s, z, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr)
     return tl.reshape(w, (BLOCK_K, BLOCK_N))
 
 
+@triton.jit
+def _weight_tile(
+    w_ptr, s_ptr, z_ptr, stride_wn, k0, offs_k, offs_n, N: tl.constexpr, K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    IS_INT4: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+):  # fmt: skip
+    """The bf16 tile W[offs_n, offs_k]ᵀ, [BLOCK_K, BLOCK_N], zero outside the weight. 4-bit:
+    within one group, from BLOCK_K / 8 rows of packed words, each word loaded once."""
+    n_mask = offs_n < N
+    if IS_INT4:
+        offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + offs_word[:, None] * N + offs_n[None, :], mask=n_mask[None, :])
+        group = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
+        z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0)
+        w = _dequantize_words(words, s, z, BLOCK_K, BLOCK_N)
+        return round_to(w, tl.bfloat16, ROUND_ON_BITS)
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
+    return tl.load(w_ptrs, mask=(offs_k[:, None] < K) & n_mask[None, :], other=0.0)
+
+
 @triton.jit(do_not_specialize=["M", "stride_os"])
-def _int4_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, stride_xm, stride_os, stride_om,
+def _row_matmul_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, stride_xm, stride_wn, stride_os, stride_om,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+    SPLIT_K: tl.constexpr, IS_INT4: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    ROUND_ON_BITS: tl.constexpr,
 ):  # fmt: skip
-    """One [BLOCK_K, BLOCK_N] weight tile per step, within one group, built from
-    BLOCK_K / 8 rows of packed words, each loaded once."""
-    tl.static_assert(GROUP_SIZE % BLOCK_K == 0)
-    tl.static_assert(BLOCK_K % 8 == 0)
+    """Program (i, j, s): row tiles i·ROW_TILES.., output columns j·BLOCK_N.., K split s.
+    One weight tile per loop step (4-bit: GROUP_SIZE a multiple of BLOCK_K, so one scale
+    and zero row serves a tile), used by each of the program's row tiles."""
+    tl.static_assert(not IS_INT4 or (GROUP_SIZE % BLOCK_K == 0 and BLOCK_K % 8 == 0))
     row0 = tl.program_id(0) * (BLOCK_M * ROW_TILES)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     k_start = tl.program_id(2) * K_PER_SPLIT
     acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(q_ptr + offs_word[:, None] * N + offs_n[None, :], mask=n_mask[None, :])
-        group = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
-        z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0)
-        w = round_to(_dequantize_words(words, s, z, BLOCK_K, BLOCK_N), tl.bfloat16, ROUND_ON_BITS)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, stride_wn, k0, offs_k, offs_n, N, K,
+                         BLOCK_K, BLOCK_N, GROUP_SIZE, IS_INT4, ROUND_ON_BITS)  # fmt: skip
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_step(
             x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w,
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_M, ROW_TILES, DOT_IN_FP32,
@@ -446,16 +437,14 @@ def row_matmul(
     launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
     launch_args |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if is_int4:
-        _int4_kernel[grid](
-            x, weight.qweight, weight.scales, weight.zeros, target,
-            m, x.stride(0), stride_os, stride_om,
-            GROUP_SIZE=weight.group_size, **shape_args, **launch_args,
-        )  # fmt: skip
+        tensors = (weight.qweight, weight.scales, weight.zeros)
+        stride_wn, group_size = 0, weight.group_size
     else:
-        _dense_kernel[grid](
-            x, weight, target, m, x.stride(0), weight.stride(0), stride_os, stride_om,
-            **shape_args, **launch_args,
-        )  # fmt: skip
+        tensors, stride_wn, group_size = (weight, weight, weight), weight.stride(0), 0
+    _row_matmul_kernel[grid](
+        x, *tensors, target, m, x.stride(0), stride_wn, stride_os, stride_om,
+        GROUP_SIZE=group_size, IS_INT4=is_int4, **shape_args, **launch_args,
+    )  # fmt: skip
     if config.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, out, m, out.stride(0), N=n, SPLIT_K=config.split_k, BLOCK=REDUCE_BLOCK,
