@@ -5,12 +5,15 @@ On CPU the kernel runs in Triton's interpreter (tests/conftest.py), so shapes st
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from dflash_serve.kernels.block_attention import (
+    LaunchConfig,
     block_attention,
     block_attention_reference,
     launch_config,
@@ -126,19 +129,20 @@ def test_rules_in_fp32_match_naive_attention_tightly(causal, window):
     torch.testing.assert_close(out, naive_attention(*problem, 0.3, **rule), atol=1e-5, rtol=1e-5)
 
 
-def assert_rows_independent(problem, scale, window=None):
+def assert_rows_independent(problem, scale, window=None, config=None):
     """Bit-equality of each query alone, each prefix of the block and each sequence alone
     (causal rules: a query's keys do not depend on the block's length)."""
     q, key_cache, value_cache, slots, starts = problem
-    full = block_attention(*problem, scale, window=window)
+    rule = dict(window=window, config=config)
+    full = block_attention(*problem, scale, **rule)
     for t in range(q.shape[1]):
         alone = block_attention(
-            q[:, t : t + 1], key_cache, value_cache, slots, starts + t, scale, window=window
+            q[:, t : t + 1], key_cache, value_cache, slots, starts + t, scale, **rule
         )
         assert torch.equal(alone[:, 0], full[:, t]), f"token {t}"
-    prefix = block_attention(q[:, :5], key_cache, value_cache, slots, starts, scale, window=window)
+    prefix = block_attention(q[:, :5], key_cache, value_cache, slots, starts, scale, **rule)
     assert torch.equal(prefix, full[:, :5])
-    assert_sequences_independent(problem, scale, full, window=window)
+    assert_sequences_independent(problem, scale, full, **rule)
     return full
 
 
@@ -167,6 +171,76 @@ def test_non_causal_sequences_are_bit_independent_of_batch(causal, window):
     assert_sequences_independent(problem, 0.125, full, causal=causal, window=window)
 
 
+def small_splits(num_heads, num_kv_heads, head_dim):
+    """Chunks of 32 keys made of two 16-key blocks: a query at position 130 merges 5 chunks."""
+    default = launch_config(num_heads, num_kv_heads, head_dim)
+    return dataclasses.replace(default, block_n=16, split_keys=32)
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, None), *RULES])
+def test_many_splits_match_naive_attention(causal, window):
+    starts = [0, 40, 130]
+    config = small_splits(4, 2, 32)
+    # The last sequence's queries see up to 146 keys: 5 chunks of 32 to merge without a window,
+    # 3 or 4 with the window of 70.
+    assert starts[-1] // config.split_keys >= 4
+    problem = random_problem(4, 2, 32, 16, starts, seed=11)
+    rule = dict(causal=causal, window=window)
+    expected = naive_attention(*problem, 0.2, **rule)
+    assert_close_to_naive(block_attention(*problem, 0.2, **rule, config=config), expected)
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, None), (True, 70)])
+def test_many_splits_in_fp32_match_naive_attention_tightly(causal, window):
+    q, key_cache, value_cache, slots, starts = random_problem(8, 2, 16, 7, [3, 150], seed=12)
+    problem = (q.float(), key_cache.float(), value_cache.float(), slots, starts)
+    rule = dict(causal=causal, window=window)
+    out = block_attention(*problem, 0.3, **rule, config=small_splits(8, 2, 16))
+    torch.testing.assert_close(out, naive_attention(*problem, 0.3, **rule), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_rows_over_many_splits_are_bit_independent_of_block_and_batch(window):
+    problem = random_problem(4, 2, 32, 16, [0, 57, 130], seed=13)
+    assert_rows_independent(problem, 0.125, window=window, config=small_splits(4, 2, 32))
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, 20)])
+def test_rows_are_bit_independent_of_how_many_programs_share_the_chunks(causal, window):
+    """One program per tile looping over every chunk, two, or one per chunk (the default)."""
+    problem = random_problem(4, 2, 32, 16, [0, 57, 130], seed=15)
+    config = small_splits(4, 2, 32)
+    rule = dict(causal=causal, window=window)
+    expected = block_attention(*problem, 0.125, **rule, config=config)
+    for min_programs in (1, 7):
+        fewer = dataclasses.replace(config, min_programs=min_programs)
+        assert torch.equal(block_attention(*problem, 0.125, **rule, config=fewer), expected)
+
+
+@pytest.mark.parametrize("config", [None, small_splits(4, 2, 32)], ids=["default", "small"])
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, None), (False, 20)])
+def test_rows_are_bit_independent_of_cache_length(config, causal, window):
+    """More cache positions (so more, empty, chunks) past every visible key change no bit."""
+    q, key_cache, value_cache, slots, starts = random_problem(
+        4, 2, 32, 16, [0, 57, 130], cache_len=400, seed=14
+    )
+    rule = dict(causal=causal, window=window, config=config)
+    outputs = [
+        block_attention(
+            q,
+            key_cache[:, :cache_len].contiguous(),
+            value_cache[:, :cache_len].contiguous(),
+            slots,
+            starts,
+            0.125,
+            **rule,
+        )
+        for cache_len in (146, 160, 257, 400)
+    ]
+    for cache_len, out in zip((160, 257, 400), outputs[1:], strict=True):
+        assert torch.equal(out, outputs[0]), f"L={cache_len}"
+
+
 @pytest.mark.parametrize(("causal", "window"), [(True, None), *RULES])
 def test_cache_outside_the_visible_keys_is_never_read(causal, window):
     """Other slots and positions no query of a block sees are NaN: the output is bit-identical."""
@@ -193,6 +267,17 @@ def test_qwen35_4b_tile_is_16_tokens_by_4_heads():
     assert (qwen35_4b.tile_tokens, qwen35_4b.block_m) == (16, 64)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+def test_chunks_end_on_key_block_boundaries(head_dim):
+    config = launch_config(16, 4, head_dim)
+    assert config.split_keys % config.block_n == 0
+
+
+def replace_config(**changes) -> LaunchConfig:
+    """The config of the (4, 2, 32) heads below with some fields changed."""
+    return dataclasses.replace(launch_config(4, 2, 32), **changes)
+
+
 @pytest.mark.parametrize(
     ("argument", "change"),
     [
@@ -208,6 +293,9 @@ def test_qwen35_4b_tile_is_16_tokens_by_4_heads():
         ("out", lambda a: {**a, "out": torch.empty_like(a["q"][:, :1])}),
         ("window", lambda a: {**a, "window": 0}),
         ("window", lambda a: {**a, "window": 2.5}),
+        ("config", lambda a: {**a, "config": replace_config(split_keys=96)}),
+        ("config", lambda a: {**a, "config": replace_config(tile_tokens=16, block_m=16)}),
+        ("config", lambda a: {**a, "config": replace_config(min_programs=0)}),
     ],
 )
 def test_bad_inputs_raise_value_error_naming_the_argument(argument, change):
