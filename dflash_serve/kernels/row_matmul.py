@@ -350,10 +350,11 @@ def _weight_tile(
         group = k0 // GROUP_SIZE
         s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
         z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0)
-        w = _dequantize_words(words, s, z, BLOCK_K, BLOCK_N)
-        return round_to(w, tl.bfloat16, ROUND_ON_BITS)
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
-    return tl.load(w_ptrs, mask=(offs_k[:, None] < K) & n_mask[None, :], other=0.0)
+        w = round_to(_dequantize_words(words, s, z, BLOCK_K, BLOCK_N), tl.bfloat16, ROUND_ON_BITS)
+    else:
+        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < K) & n_mask[None, :], other=0.0)
+    return w
 
 
 @triton.jit(do_not_specialize=["M", "stride_os"])
