@@ -1,0 +1,142 @@
+"""Compile every Triton kernel launch of the fast path for an H100/H200 (sm_90), on a CPU.
+
+The CPU tests run the kernels in Triton's interpreter, which executes the Python body and never
+compiles it: code the GPU compiler rejects (a helper returning two types, an unsupported
+construct) passes there and fails only on a GPU. Here each kernel wrapper is called with small
+CPU tensors while `JITFunction.run` is replaced by a compile for sm_90 (Triton's frontend,
+its GPU passes and ptxas, all bundled with Triton; no driver needed): the launch is built, typed
+and compiled, never run. Must run with TRITON_INTERPRET=0 (its own process); prints one line
+per compiled kernel and exits non-zero on the first failure.
+
+    TRITON_INTERPRET=0 python -m tests.compile_kernels_for_gpu [--broken]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+HOPPER = GPUTarget("cuda", 90, 32)
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+POINTER_TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.uint8: "*u8",
+}
+
+
+def argument_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def compile_instead_of_launch(self: JITFunction, *args, grid, warmup, **kwargs):
+    options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
+    bound = inspect.signature(self.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    names = list(bound.arguments)
+    constexpr_names = {param.name for param in self.params if param.is_constexpr}
+    signature, constexprs = {}, {}
+    for index, (name, value) in enumerate(bound.arguments.items()):
+        if name in constexpr_names or value is None:
+            signature[name] = "constexpr"
+            constexprs[(index,)] = value
+        else:
+            signature[name] = argument_type(value)
+    source = ASTSource(fn=self, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=HOPPER, options=options)
+    shown = {names[i[0]]: v for i, v in constexprs.items() if isinstance(v, (bool, int))}
+    print(f"compiled {self.fn.__name__} {shown}", flush=True)
+
+
+def launch_every_variant() -> None:
+    """The launches the engines make: each kernel in each of its compiled variants."""
+    from dflash_serve.kernels.block_attention import block_attention
+    from dflash_serve.kernels.rms_norm import gated_rms_norm, rms_norm
+    from dflash_serve.kernels.row_matmul import matmul_config, row_matmul
+    from dflash_serve.kernels.silu_mul import silu_mul
+    from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
+    from target_service.kernels.gdn_inputs import prepare_gdn_inputs
+    from tests import test_kernel_block_attention as attention_tests
+    from tests import test_kernel_gated_delta_recurrence as recurrence_tests
+    from tests import test_kernel_gdn_inputs as gdn_tests
+    from tests import test_kernel_row_matmul as matmul_tests
+
+    n, k, group = matmul_tests.SHAPES[1]
+    x = matmul_tests.random_rows(20, k, seed=0)
+    for kind, group_size in (("dense", None), ("awq", group)):
+        weight, _ = matmul_tests.make_weight(kind, n, k, group)
+        base = matmul_config(n, k, group_size)
+        for row_tiles in (1, 4, 8):
+            for split_k in sorted({1, base.split_k}):
+                per_split = k if split_k == 1 else base.k_per_split
+                config = dataclasses.replace(
+                    base, row_tiles=row_tiles, split_k=split_k, k_per_split=per_split
+                )
+                row_matmul(x, weight, config=config)
+    rows = torch.randn(4, 64, dtype=torch.bfloat16)
+    for zero_centred in (False, True):
+        rms_norm(rows, torch.ones(64), 1e-6, zero_centred)
+    gated_rms_norm(rows, rows, torch.ones(64), 1e-6)
+    silu_mul(rows, rows)
+    for heads, kv_heads, head_dim in ((16, 4, 256), (32, 8, 128)):
+        q, key_cache, value_cache, slots, starts = attention_tests.random_problem(
+            heads, kv_heads, head_dim, 16, [3, 40]
+        )
+        for causal, window in ((True, None), (False, 64), (True, 64)):
+            block_attention(q, key_cache, value_cache, slots, starts, 0.1, causal=causal,
+                            window=window)  # fmt: skip
+    inputs = gdn_tests.make_inputs(2, 16, torch.bfloat16, seed=0)
+    prepare_gdn_inputs(**inputs, **gdn_tests.make_outputs(inputs))
+    q, k_, v, g, beta, pool = recurrence_tests.make_inputs(2, 16, 2, 4, 128, 128, torch.bfloat16, 0)
+    slots = torch.tensor([1, 3])
+    recurrent_gated_delta(q, k_, v, g, beta, pool, pool, slots, out=torch.empty(v.shape))
+    replayed = torch.tensor([5, 16], dtype=torch.int32)
+    recurrent_gated_delta(k_.float(), k_.float(), v.float(), g, beta, pool, pool, slots, replayed)
+
+
+@triton.jit
+def _mismatched_returns(x_ptr, IS_INT: tl.constexpr):
+    """The mistake this check exists for: the interpreter runs it, the GPU compiler rejects it
+    (the code after a constexpr branch's return is still compiled, and returns another type)."""
+    if IS_INT:
+        return tl.load(x_ptr).to(tl.int32)
+    return tl.load(x_ptr)
+
+
+@triton.jit
+def _broken_kernel(x_ptr):
+    tl.store(x_ptr, _mismatched_returns(x_ptr, True).to(tl.float32))
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") != "0":
+        sys.exit("run with TRITON_INTERPRET=0: the interpreter never compiles")
+    JITFunction.run = compile_instead_of_launch
+    if sys.argv[1:] == ["--broken"]:  # the test's proof that a bad kernel fails here
+        _broken_kernel[(1,)](torch.zeros(1))
+        return
+    launch_every_variant()
+
+
+if __name__ == "__main__":
+    main()
