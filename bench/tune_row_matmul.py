@@ -128,7 +128,8 @@ def main() -> None:
     kept = json.loads(TUNED_CONFIGS_PATH.read_text()) if TUNED_CONFIGS_PATH.exists() else {}
     keep = [key for key in kept.get("configs", {}) if key.split(":")[0] not in kinds]
     chosen = {key: kept["configs"][key] for key in keep}
-    timings = {key: {"commit": kept["commit"]} | kept["timings_us"][key] for key in keep}
+    earlier = {"commit": kept.get("commit", "unknown")}
+    timings = {key: earlier | kept.get("timings_us", {}).get(key, {}) for key in keep}
     for n, k, group in jobs(kinds):
         weight = make_weight(n, k, group)
         rows = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (16, 128)}
@@ -150,8 +151,8 @@ def main() -> None:
         }
         print(key, timings[key], chosen[key], flush=True)
     record = facts | {"configs": chosen, "timings_us": timings}
-    if kept.get("note") and keep:
-        record["note"] = f"Entries measured at {kept['commit']}: {kept['note']}"
+    if kept.get("note") and keep:  # each entry names its commit; the note says the rest
+        record["note"] = kept["note"]
     TUNED_CONFIGS_PATH.write_text(json.dumps(record, indent=1) + "\n")
     print("wrote", TUNED_CONFIGS_PATH)
 

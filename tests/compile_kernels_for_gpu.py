@@ -5,8 +5,11 @@ compiles it: code the GPU compiler rejects (a helper returning two types, an uns
 construct) passes there and fails only on a GPU. Here each kernel wrapper is called with small
 CPU tensors while `JITFunction.run` is replaced by a compile for sm_90 (Triton's frontend,
 its GPU passes and ptxas, all bundled with Triton; no driver needed): the launch is built, typed
-and compiled, never run. Must run with TRITON_INTERPRET=0 (its own process); prints one line
-per compiled kernel and exits non-zero on the first failure.
+and compiled, never run. The matmul is compiled in the tuned configurations of
+`row_matmul_configs.json` too. Not covered: the specialisation hints a real launch adds
+(arguments divisible by 16, integers equal to 1), which steer some GPU passes. Must run with
+TRITON_INTERPRET=0 (its own process); prints one line per compiled kernel and exits non-zero on
+the first failure.
 
     TRITON_INTERPRET=0 python -m tests.compile_kernels_for_gpu [--broken]
 """
@@ -72,7 +75,13 @@ def launch_every_variant() -> None:
     """The launches the engines make: each kernel in each of its compiled variants."""
     from dflash_serve.kernels.block_attention import block_attention
     from dflash_serve.kernels.rms_norm import gated_rms_norm, rms_norm
-    from dflash_serve.kernels.row_matmul import matmul_config, row_matmul
+    from dflash_serve.kernels.row_matmul import (
+        MatmulConfig,
+        RepackedInt4,
+        matmul_config,
+        row_matmul,
+        tuned_configs,
+    )
     from dflash_serve.kernels.silu_mul import silu_mul
     from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
     from target_service.kernels.gdn_inputs import prepare_gdn_inputs
@@ -93,6 +102,24 @@ def launch_every_variant() -> None:
                     base, row_tiles=row_tiles, split_k=split_k, k_per_split=per_split
                 )
                 row_matmul(x, weight, config=config)
+    for key, tuned in tuned_configs().items():  # the configurations the H200 runs
+        config = MatmulConfig(**tuned)
+        kind, shape, *group_part = key.split(":")
+        n, k = (int(size) for size in shape.split("x"))
+        x = torch.empty(16, k, dtype=torch.bfloat16)  # never touched: nothing runs
+        if kind == "dense":
+            row_matmul(x, torch.empty(n, k, dtype=torch.bfloat16), config=config)
+            continue
+        group = int(group_part[0][1:])
+        weight = RepackedInt4(
+            qweight=torch.empty(k // 8, n, dtype=torch.int32),
+            scales=torch.empty(k // group, n),
+            zeros=torch.empty(k // group, n, dtype=torch.uint8),
+            out_features=n,
+            in_features=k,
+            group_size=group,
+        )
+        row_matmul(x, weight, config=config)
     rows = torch.randn(4, 64, dtype=torch.bfloat16)
     for zero_centred in (False, True):
         rms_norm(rows, torch.ones(64), 1e-6, zero_centred)

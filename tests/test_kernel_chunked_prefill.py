@@ -18,10 +18,11 @@ from tests.test_kernel_gated_delta_recurrence import NUM_SLOTS, make_inputs, nai
 
 
 def torch_chunk_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                     use_qk_l2norm_in_kernel):  # fmt: skip
+                     use_qk_l2norm_in_kernel, state_v_first):  # fmt: skip
     """fla's `chunk_gated_delta_rule` API over the naive loop (which adds the L2 norm and
     the Dk^-0.5 scale itself)."""
     assert use_qk_l2norm_in_kernel and output_final_state and scale == q.shape[-1] ** -0.5
+    assert state_v_first is False
     slots = torch.arange(q.shape[0])
     return naive_recurrence(q, k, v, g, beta, initial_state, slots)
 

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+from dflash_serve.kernels.row_matmul import tuned_configs
+
 KERNELS = [
     "_row_matmul_kernel",
     "_sum_splits_kernel",
@@ -41,7 +43,8 @@ def test_every_kernel_compiles_for_sm90():
     row_matmul_variants = [
         line for line in result.stdout.splitlines() if "_row_matmul_kernel" in line
     ]
-    assert len(row_matmul_variants) == 12  # dense and 4-bit × row tiles 1/4/8 × split-K 1/3
+    # dense and 4-bit × row tiles 1/4/8 × split-K 1/3, then every tuned configuration
+    assert len(row_matmul_variants) == 12 + len(tuned_configs())
 
 
 def test_a_kernel_the_gpu_compiler_rejects_fails_the_check():

@@ -13,6 +13,11 @@ from contextlib import contextmanager
 
 from dflash_serve.errors import ConfigError, DflashError
 
+# Whether the GPU compiler may contract a * b + c into one FMA. On (Triton's default up to 3.9,
+# under which the kernels were measured and their GPU tests pass) for every kernel that does
+# not turn it off itself; pinned because Triton 3.10 changes the default.
+FP_FUSION = True
+
 
 def is_triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dflash_serve.kernels import is_interpreting
+from dflash_serve.kernels import FP_FUSION, is_interpreting
 from dflash_serve.kernels.jit_math import exact_exp, round_to
 from dflash_serve.layers import norm_math
 
@@ -116,6 +116,7 @@ def rms_norm(
         x_rows.shape[1], eps,
         D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, INTERPRETED=is_interpreting(),
         num_warps=_num_warps(block),
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out
 
@@ -152,6 +153,7 @@ def gated_rms_norm(
         out_rows.stride(0), out_rows.stride(1), x_rows.shape[1], eps,
         D=dim, BLOCK=block, PRODUCT_DTYPE=product_dtype, INTERPRETED=is_interpreting(),
         num_warps=_num_warps(block),
+        enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out
 

@@ -33,7 +33,7 @@ from dflash_serve.checkpoint.int4_formats import (
     _pack_nibbles,
     _unpack_nibbles,
 )
-from dflash_serve.kernels import is_interpreting
+from dflash_serve.kernels import FP_FUSION, is_interpreting
 from dflash_serve.kernels.jit_math import round_to
 
 BLOCK_M = 16
@@ -437,6 +437,7 @@ def row_matmul(
     is_interpreted = is_interpreting()
     launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
     launch_args |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    launch_args |= {"enable_fp_fusion": FP_FUSION}
     if is_int4:
         tensors = (weight.qweight, weight.scales, weight.zeros)
         stride_wn, group_size = 0, weight.group_size
@@ -449,7 +450,7 @@ def row_matmul(
     if config.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, out, m, out.stride(0), N=n, SPLIT_K=config.split_k, BLOCK=REDUCE_BLOCK,
-            ROUND_ON_BITS=is_interpreted, num_warps=4,
+            ROUND_ON_BITS=is_interpreted, num_warps=4, enable_fp_fusion=FP_FUSION,
         )  # fmt: skip
     return out
 

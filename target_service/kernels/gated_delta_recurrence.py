@@ -191,7 +191,8 @@ def recurrent_gated_delta(
     num_tokens [B] int32 (clamped to 0..T): only the first num_tokens[b] tokens of row b are
     applied and written, None = all T; out [B, T, Hv, Dv] fp32, or None to write no outputs
     (replay). Rows beyond num_tokens[b] in `out` and slots not in `slots` are left untouched.
-    No host sync and no allocation: safe to capture in a CUDA graph.
+    No host sync and no allocation (T = 0 only copies the states, through a gather): safe
+    to capture in a CUDA graph.
     """
     _check_arguments(q, k, v, g, beta, initial_states, final_states, slots, num_tokens, out)
     num_seqs, num_steps, num_key_heads, key_dim = q.shape
