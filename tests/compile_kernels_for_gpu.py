@@ -74,7 +74,7 @@ def compile_instead_of_launch(self: JITFunction, *args, grid, warmup, **kwargs):
 def launch_every_variant() -> None:
     """The launches the engines make: each kernel in each of its compiled variants."""
     from dflash_serve.kernels.block_attention import block_attention
-    from dflash_serve.kernels.rms_norm import gated_rms_norm, rms_norm
+    from dflash_serve.kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
     from dflash_serve.kernels.row_matmul import (
         MatmulConfig,
         RepackedInt4,
@@ -124,6 +124,7 @@ def launch_every_variant() -> None:
     for zero_centred in (False, True):
         rms_norm(rows, torch.ones(64), 1e-6, zero_centred)
     gated_rms_norm(rows, rows, torch.ones(64), 1e-6)
+    add_rms_norm(rows, rows, torch.ones(64), 1e-6, True)
     silu_mul(rows, rows)
     for heads, kv_heads, head_dim in ((16, 4, 256), (32, 8, 128)):
         q, key_cache, value_cache, slots, starts = attention_tests.random_problem(

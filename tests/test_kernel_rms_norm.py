@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from dflash_serve.kernels.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
     gated_rms_norm,
     gated_rms_norm_reference,
     rms_norm,
@@ -93,6 +95,32 @@ def test_gated_rms_norm_matches_module(dim, dtype):
     actual = gated_rms_norm(x, gate, weight, EPS)
     assert actual.shape == x.shape and actual.dtype == dtype
     _assert_gated_close(actual, gated_rms_norm_reference(x, gate, weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", (100, 2560))
+def test_add_rms_norm_is_the_add_then_the_norm(dim, dtype):
+    """The sum is torch's add bit for bit; the norm is the `rms_norm` kernel's of that sum bit
+    for bit (same arithmetic), so fusing changes nothing; rows stay independent."""
+    x, delta, weight = _inputs((3, 5, dim), dtype, seed=dim + 2)
+    for zero_centred in (True, False):
+        total, normed = add_rms_norm(x, delta, weight, EPS, zero_centred)
+        expected_total, expected_norm = add_rms_norm_reference(x, delta, weight, EPS, zero_centred)
+        assert torch.equal(total, expected_total)
+        assert torch.equal(normed, rms_norm(expected_total, weight, EPS, zero_centred))
+        _assert_rms_close(normed, expected_norm)
+    alone_total, alone_normed = add_rms_norm(x[1:2, 3:4], delta[1:2, 3:4], weight, EPS, True)
+    total, normed = add_rms_norm(x, delta, weight, EPS, True)
+    assert torch.equal(alone_total[0, 0], total[1, 3])
+    assert torch.equal(alone_normed[0, 0], normed[1, 3])
+
+
+def test_add_rms_norm_rejects_a_mismatched_delta():
+    x, delta, weight = _inputs((2, 100), torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="delta must be"):
+        add_rms_norm(x, delta[:1], weight, EPS, True)
+    with pytest.raises(ValueError, match="delta must be"):
+        add_rms_norm(x, delta.float(), weight, EPS, True)
 
 
 def test_mixed_dtypes_follow_torch_promotion():

@@ -19,6 +19,7 @@ KERNELS = [
     "_sum_splits_kernel",
     "_rms_norm_kernel",
     "_gated_rms_norm_kernel",
+    "_add_rms_norm_kernel",
     "_silu_mul_kernel",
     "_split_attention_kernel",
     "_combine_splits_kernel",

@@ -53,13 +53,40 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row_a * x_stride_a + row_b * x_stride_b + cols, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    y = _scaled_norm(x.to(tl.float32), w_ptr, cols, mask, D, eps, ZERO_CENTRED, INTERPRETED)
+    out_ptrs = out_ptr + row_a * out_stride_a + row_b * out_stride_b + cols
+    tl.store(out_ptrs, round_to(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _scaled_norm(x, w_ptr, cols, mask, D: tl.constexpr, eps, ZERO_CENTRED: tl.constexpr,
+                 INTERPRETED: tl.constexpr):  # fmt: skip
+    """x̂ · (1 + w) or x̂ · w of one fp32 row, in fp32."""
     scale = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         scale = 1.0 + scale
-    y = (x * _inv_rms(x, D, eps, INTERPRETED)) * scale
-    out_ptrs = out_ptr + row_a * out_stride_a + row_b * out_stride_b + cols
-    tl.store(out_ptrs, round_to(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    return (x * _inv_rms(x, D, eps, INTERPRETED)) * scale
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, eps,
+    D: tl.constexpr, BLOCK: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """The residual add, rounded to the sum's dtype as torch's add rounds it, then the norm of
+    that rounded sum: one pass over the row instead of an add kernel and a norm kernel."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.load(delta_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    total = round_to(x + delta, sum_ptr.dtype.element_ty, INTERPRETED)
+    tl.store(sum_ptr + row * D + cols, total, mask=mask)
+    y = _scaled_norm(total.to(tl.float32), w_ptr, cols, mask, D, eps, ZERO_CENTRED, INTERPRETED)
+    tl.store(
+        out_ptr + row * D + cols, round_to(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask
+    )
 
 
 @triton.jit
@@ -121,6 +148,30 @@ def rms_norm(
     return out
 
 
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, `rms_norm`(x + delta)) in one kernel: the residual stream's add and the next
+    norm. x, delta: [..., D] of one dtype (bf16/fp16/fp32) and shape; returns new contiguous
+    tensors; the sum is bit for bit torch's `x + delta`, the norm `rms_norm` of that sum."""
+    _check_input(x, weight)
+    if delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
+        expected = f"{x.dtype} {tuple(x.shape)} on {x.device}"
+        raise ValueError(f"delta must be {expected}, got {delta.dtype} {tuple(delta.shape)}")
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(total)
+    if x.numel() == 0:
+        return total, out
+    dim = x.shape[-1]
+    block = triton.next_power_of_2(dim)
+    _add_rms_norm_kernel[(x.numel() // dim,)](
+        x.contiguous(), delta.contiguous(), weight, total, out, eps,
+        D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, INTERPRETED=is_interpreting(),
+        num_warps=_num_warps(block), enable_fp_fusion=FP_FUSION,
+    )  # fmt: skip
+    return total, out
+
+
 def gated_rms_norm(
     x: torch.Tensor,
     gate: torch.Tensor,
@@ -163,6 +214,14 @@ def rms_norm_reference(
 ) -> torch.Tensor:
     """`RMSNorm.forward`'s arithmetic with the given weight (torch's own reductions)."""
     return norm_math.rms_norm(x, weight, eps, zero_centred)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's add, then `RMSNorm.forward`'s arithmetic on the sum."""
+    total = x + delta
+    return total, norm_math.rms_norm(total, weight, eps, zero_centred)
 
 
 def gated_rms_norm_reference(

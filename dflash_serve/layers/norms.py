@@ -25,16 +25,28 @@ class RMSNorm(nn.Module):
         self.zero_centred = zero_centred
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
         self.kernel = None
+        self.add_kernel = None
 
     def use_row_kernel(self) -> None:
-        from dflash_serve.kernels.rms_norm import rms_norm
+        from dflash_serve.kernels.rms_norm import add_rms_norm, rms_norm
 
         self.kernel = rms_norm
+        self.add_kernel = add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x.contiguous(), self.weight, self.eps, self.zero_centred)
         return norm_math.rms_norm(x, self.weight, self.eps, self.zero_centred)
+
+    def add_and_norm(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a residual add and the norm after it, one kernel on
+        the kernel path, bit for bit the two steps."""
+        if self.kernel is not None:
+            return self.add_kernel(x, delta, self.weight, self.eps, self.zero_centred)
+        total = x + delta
+        return total, self(total)
 
 
 class GatedRMSNorm(nn.Module):

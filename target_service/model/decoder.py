@@ -22,7 +22,10 @@ from target_service.model.state import TargetState
 
 
 class DecoderLayer(nn.Module):
-    """h += mixer(input_norm(h)); h += mlp(post_norm(h)); the mixer is attention or GDN."""
+    """h += mixer(input_norm(h)); h += mlp(post_norm(h)); the mixer is attention or GDN.
+
+    The MLP's output is handed on, not added: the next norm adds it (`add_and_norm`, one
+    kernel on the kernel path), so each residual add shares a pass with the norm after it."""
 
     def __init__(self, config: Qwen35TextConfig, layer_id: int) -> None:
         super().__init__()
@@ -37,13 +40,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centred=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centred=True)
 
-    def forward(self, h, batch: ForwardBatch, state: TargetState, cos_sin) -> torch.Tensor:
-        normed = self.input_layernorm(h)
-        if self.is_attention:
-            h = h + self.self_attn(normed, batch, state, cos_sin)
+    def forward(
+        self, h, pending: torch.Tensor | None, batch: ForwardBatch, state: TargetState, cos_sin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, pending) → (h, this layer's MLP output); the layer's output is their sum.
+        pending: the previous layer's MLP output, not yet added to h (None for layer 0)."""
+        if pending is None:
+            normed = self.input_layernorm(h)
         else:
-            h = h + self.linear_attn(normed, batch, state)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            h, normed = self.input_layernorm.add_and_norm(h, pending)
+        if self.is_attention:
+            mixed = self.self_attn(normed, batch, state, cos_sin)
+        else:
+            mixed = self.linear_attn(normed, batch, state)
+        h, normed = self.post_attention_layernorm.add_and_norm(h, mixed)
+        return h, self.mlp(normed)
 
 
 class Qwen35TextModel(nn.Module):
@@ -101,15 +112,15 @@ class Qwen35TextModel(nn.Module):
         Taps are the outputs of the listed decoder layers (transformers' hidden_states[i+1]),
         concatenated in the listed order.
         """
-        h = self.embed_tokens(token_ids)
+        h, pending = self.embed_tokens(token_ids), None
         cos_sin = self.rotary.cos_sin(batch.positions(token_ids.device))
         taps = {}
         for layer_id, layer in enumerate(self.layers):
-            h = layer(h, batch, state, cos_sin)
+            h, pending = layer(h, pending, batch, state, cos_sin)
             if layer_id in tap_layer_ids:
-                taps[layer_id] = h
+                taps[layer_id] = h + pending
         tapped = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
-        return self.norm(h), tapped
+        return self.norm.add_and_norm(h, pending)[1], tapped
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., hidden] → fp32 logits [..., vocab]."""
