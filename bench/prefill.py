@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from bench.measure_engine import build_target
@@ -33,6 +34,7 @@ def main() -> None:
     if args.commit:
         results["commit"] = args.commit
     model_dir = write_target(Path(tempfile.mkdtemp()) / "t", QWEN35_4B_TEXT, "bf16", device="cuda")
+    prompts = {n: [(i * 7919) % 240000 for i in range(n)] for n in args.lengths}
     last_logits = {}
     for path in ("plain", "kernels", "kernels_token_loop"):
         engine = build_target(model_dir, 1, max(args.lengths) + 16, fast_path=path != "plain")
@@ -46,33 +48,29 @@ def main() -> None:
             for layer in layers:
                 layer.chunk_rule = None
         results[f"prefill_ms_{path}"] = {}
-        for length in args.lengths:  # first calls of a length compile and plan: not timed
+
+        def prefill(length, engine=engine, path=path):
             slot = engine.open_sequence()
-            engine.prefill(slot, [(i * 7919) % 240000 for i in range(length)])
+            last_logits[(path, length)] = engine.prefill(slot, prompts[length]).last_logits
             engine.close_sequence(slot)
+
+        for length in args.lengths:  # first calls of a length compile and plan: not timed
+            prefill(length)
         for length in args.lengths:
-            prompt = [(i * 7919) % 240000 for i in range(length)]
-
-            def prefill(prompt=prompt, engine=engine, length=length, path=path):
-                slot = engine.open_sequence()
-                last_logits[(path, length)] = engine.prefill(slot, prompt).last_logits
-                engine.close_sequence(slot)
-
-            ms = median_ms(prefill, repeats=args.repeats, warmup=1)
+            ms = median_ms(partial(prefill, length), repeats=args.repeats, warmup=1)
             results[f"prefill_ms_{path}"][str(length)] = ms
             print(path, length, f"{ms:.1f} ms", flush=True)
         del engine
-    results["max_logit_gap_kernels_vs_plain"] = {
-        str(n): float((last_logits[("kernels", n)] - last_logits[("plain", n)]).abs().max())
-        for n in args.lengths
-    }
-    if ("kernels_token_loop", args.lengths[0]) in last_logits:
-        results["max_logit_gap_token_loop_vs_plain"] = {
-            str(n): float(
-                (last_logits[("kernels_token_loop", n)] - last_logits[("plain", n)]).abs().max()
-            )
+
+    def gaps_to_plain(path: str) -> dict[str, float]:
+        return {
+            str(n): float((last_logits[(path, n)] - last_logits[("plain", n)]).abs().max())
             for n in args.lengths
         }
+
+    results["max_logit_gap_kernels_vs_plain"] = gaps_to_plain("kernels")
+    if ("kernels_token_loop", args.lengths[0]) in last_logits:
+        results["max_logit_gap_token_loop_vs_plain"] = gaps_to_plain("kernels_token_loop")
     print(json.dumps(results, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

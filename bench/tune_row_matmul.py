@@ -51,16 +51,7 @@ def candidates(n: int, k: int, group: int | None) -> list[MatmulConfig]:
         num_blocks = triton.cdiv(k, block_k)
         for wanted in (1, 2, 4, 8, 16):
             per_split = triton.cdiv(num_blocks, wanted)
-            config = MatmulConfig(
-                block_n=block_n,
-                block_k=block_k,
-                k_per_split=per_split * block_k,
-                split_k=triton.cdiv(num_blocks, per_split),
-                num_warps=4,
-                num_stages=3,
-                row_tiles=row_tiles,
-            )
-            configs[config] = None
+            configs[MatmulConfig.over_splits(k, block_n, block_k, per_split, row_tiles)] = None
     return list(configs)
 
 

@@ -147,6 +147,22 @@ class MatmulConfig:
         if self.row_tiles not in (1, 2, 4, 8):
             raise ValueError(f"row_tiles must be 1, 2, 4 or 8, got {self.row_tiles}")
 
+    @classmethod
+    def over_splits(
+        cls, k: int, block_n: int, block_k: int, blocks_per_split: int, row_tiles: int = 1
+    ) -> MatmulConfig:
+        """K cut into splits of `blocks_per_split` BLOCK_K blocks (the last may be shorter),
+        4 warps, 3 stages."""
+        return cls(
+            block_n=block_n,
+            block_k=block_k,
+            k_per_split=blocks_per_split * block_k,
+            split_k=triton.cdiv(triton.cdiv(k, block_k), blocks_per_split),
+            num_warps=4,
+            num_stages=3,
+            row_tiles=row_tiles,
+        )
+
 
 def matmul_config(n: int, k: int, group_size: int | None = None) -> MatmulConfig:
     """Launch parameters for an [N, K] weight: dense bf16 if `group_size` is None, else 4-bit.
@@ -174,14 +190,7 @@ def matmul_config(n: int, k: int, group_size: int | None = None) -> MatmulConfig
     ):
         wanted_splits += 1
         blocks_per_split = max(MIN_BLOCKS_PER_SPLIT, triton.cdiv(num_blocks, wanted_splits))
-    return MatmulConfig(
-        block_n=block_n,
-        block_k=block_k,
-        k_per_split=blocks_per_split * block_k,
-        split_k=triton.cdiv(num_blocks, blocks_per_split),
-        num_warps=4,
-        num_stages=3,
-    )
+    return MatmulConfig.over_splits(k, block_n, block_k, blocks_per_split)
 
 
 def config_key(n: int, k: int, group_size: int | None) -> str:

@@ -14,6 +14,7 @@ from dflash_serve.layers.activations import sigmoid, silu, softplus
 from dflash_serve.layers.linear import Linear, RowKernelGroup
 from dflash_serve.layers.norms import GatedRMSNorm
 from dflash_serve.qwen35_config import Qwen35TextConfig
+from target_service.kernels.chunked_prefill import chunked_prefill
 from target_service.model.causal_conv import causal_conv_with_state
 from target_service.model.chunked_delta_rule import chunked_gated_delta_rule
 from target_service.model.delta_rule import expand_key_heads, gated_delta_rule, l2_normalize
@@ -105,8 +106,6 @@ class GatedDeltaNet(nn.Module):
         kernels if installed, else the verify's Triton recurrence token by token; both in
         place in the state pool."""
         if self.chunk_rule is not None:
-            from target_service.kernels.chunked_prefill import chunked_prefill
-
             pool = state.recurrent_state[self.gdn_index]
             return chunked_prefill(self.chunk_rule, q, k, v, decay, beta, pool, slots)
         if self.recurrence_kernel is not None:
