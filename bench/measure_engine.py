@@ -155,12 +155,12 @@ def logit_margin(engine: TargetEngine, prompt, plain_tokens, other_token: int, i
 
 def state_bytes(engine: TargetEngine) -> dict:
     sizes = engine.state.bytes_per_sequence()
-    max_len = engine.state.shape.max_len
+    positions = engine.state.key_cache.shape[2]  # max_len plus one block of padding room
     return {
         "recurrent_states_per_seq": sizes["recurrent_states"],
         "conv_state_per_seq": sizes["conv_state"],
         "block_inputs_per_seq": sizes["block_inputs"],
-        "kv_bytes_per_token": sizes["kv_cache"] // max_len,
+        "kv_bytes_per_token": sizes["kv_cache"] // positions,
         "gpu_allocated_bytes": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0,
     }
 

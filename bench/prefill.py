@@ -4,6 +4,7 @@ is installed the kernel path's GDN prefill is its chunked rule, and the token-by
 is timed as a third path (`kernels_token_loop`).
 
 python -m bench.prefill --out bench/results/prefill-h200.json [--lengths 64 2048 8192]
+    [--paths kernels] [--profile]   (--profile: where one kernel-path prefill's time goes)
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dflash_serve.checkpoint.synthetic import QWEN35_4B_TEXT, write_target
 from target_service.model.gated_deltanet import GatedDeltaNet
 
 LENGTHS = (64, 2048, 8192)
+PATHS = ("plain", "kernels", "kernels_token_loop")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
 
 
 def main() -> None:
@@ -29,6 +32,8 @@ def main() -> None:
     parser.add_argument("--commit")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     results = run_facts("python -m bench.prefill " + " ".join(sys.argv[1:]))
     if args.commit:
@@ -36,7 +41,7 @@ def main() -> None:
     model_dir = write_target(Path(tempfile.mkdtemp()) / "t", QWEN35_4B_TEXT, "bf16", device="cuda")
     prompts = {n: [(i * 7919) % 240000 for i in range(n)] for n in args.lengths}
     last_logits = {}
-    for path in ("plain", "kernels", "kernels_token_loop"):
+    for path in args.paths:
         engine = build_target(model_dir, 1, max(args.lengths) + 16, fast_path=path != "plain")
         layers = [m for m in engine.model.modules() if isinstance(m, GatedDeltaNet)]
         if path == "kernels":
@@ -60,6 +65,10 @@ def main() -> None:
             ms = median_ms(partial(prefill, length), repeats=args.repeats, warmup=1)
             results[f"prefill_ms_{path}"][str(length)] = ms
             print(path, length, f"{ms:.1f} ms", flush=True)
+        if args.profile and path == "kernels":
+            results["profile"] = {
+                str(n): profile_prefill(partial(prefill, n)) for n in args.lengths
+            }
         del engine
 
     def gaps_to_plain(path: str) -> dict[str, float]:
@@ -68,13 +77,37 @@ def main() -> None:
             for n in args.lengths
         }
 
-    results["max_logit_gap_kernels_vs_plain"] = gaps_to_plain("kernels")
-    if ("kernels_token_loop", args.lengths[0]) in last_logits:
-        results["max_logit_gap_token_loop_vs_plain"] = gaps_to_plain("kernels_token_loop")
+    gap_names = {"kernels": "kernels", "kernels_token_loop": "token_loop"}
+    for path, name in gap_names.items():
+        if {("plain", args.lengths[0]), (path, args.lengths[0])} <= last_logits.keys():
+            results[f"max_logit_gap_{name}_vs_plain"] = gaps_to_plain(path)
     print(json.dumps(results, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
+
+
+def profile_prefill(run) -> dict:
+    """Kernel launches, host time and GPU time of one call, with the GPU time by kernel."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    print(events.table(sort_by="cuda_time_total", row_limit=20), flush=True)
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {
+        "launches": sum(e.count for e in events if e.key in LAUNCH_CALLS),
+        "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+        "gpu_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+        "gpu_ms_by_kernel": {
+            e.key[:60]: round(e.self_device_time_total / 1e3, 3)
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+        },
+    }
 
 
 if __name__ == "__main__":

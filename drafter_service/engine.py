@@ -4,19 +4,25 @@ A draft is the argmax of the drafter's logits at each block position: acceptance
 equality with the target's token, so the most likely token is the best proposal whatever
 the target's sampling parameters.
 
-On a model running its GPU kernels, drafts of captured shapes replay a CUDA graph
-(`DraftGraphs`); other shapes run the same kernels eagerly.
+On a model running its GPU kernels, drafts of captured batch sizes replay a CUDA graph
+(`DraftGraphs`) of a full block; fewer drafts are the first ones of that full block (the
+drafter is trained on full blocks, and an eager forward of a shorter one costs hundreds of
+kernel launches). Batch sizes that were not captured run the same kernels eagerly.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from dflash_serve.errors import InvalidRequestError
 from dflash_serve.slots import SlotAllocator
-from drafter_service.draft_graphs import DraftGraphs
+from drafter_service.draft_graphs import DRAFT_BLOCK_TOKENS, DraftGraphs
 from drafter_service.model.context_cache import DrafterContextCache
 from drafter_service.model.dflash import DFlashDrafter
+
+logger = logging.getLogger(__name__)
 
 
 class DrafterEngine:
@@ -45,7 +51,15 @@ class DrafterEngine:
         self.slots = SlotAllocator(max_slots, "drafter")
         self.graphs: DraftGraphs | None = None
         batch_sizes = tuple(b for b in graph_batch_sizes if b <= max_slots)
-        if batch_sizes:
+        if batch_sizes and self.config.block_size != DRAFT_BLOCK_TOKENS:
+            # The graph pads context to a target block and writes a full block past max_len.
+            logger.warning(
+                "no draft graphs: they are built for %d-token blocks, this drafter's block_size "
+                "is %d; drafts run eagerly",
+                DRAFT_BLOCK_TOKENS,
+                self.config.block_size,
+            )
+        elif batch_sizes:
             self.graphs = DraftGraphs(model, self.cache, batch_sizes)
 
     def open_sequence(self) -> int:
@@ -95,18 +109,11 @@ class DrafterEngine:
         for slot, rows in zip(slots, features, strict=True):
             self.check_context(slot, rows, num_drafts)
         self._check_draft(slots, anchor_ids, num_drafts)
-        block = self._blocks(anchor_ids, num_drafts)
-        num_new = [rows.shape[0] for rows in features]
-        if self.graphs is None or not self.graphs.accepts(len(slots), len(block[0]), num_new):
-            for slot, rows in zip(slots, features, strict=True):
-                self.model.add_context(self.cache, slot, rows.to(self.device))
-            return self._draft_checked(slots, block)
-        starts = [self.cache.lengths[slot] for slot in slots]
-        on_device = [rows.to(self.device) for rows in features]
-        draft_ids = self.graphs.replay(slots, starts, on_device, block)
-        for slot, count in zip(slots, num_new, strict=True):
-            self.cache.lengths[slot] += count
-        return draft_ids.tolist()
+        if self._graph_fits(slots, [rows.shape[0] for rows in features], num_drafts):
+            return self._replay(slots, features, anchor_ids, num_drafts)
+        for slot, rows in zip(slots, features, strict=True):
+            self.model.add_context(self.cache, slot, rows.to(self.device))
+        return self._draft_checked(slots, anchor_ids, num_drafts)
 
     @torch.inference_mode()
     def draft(self, slots: list[int], anchor_ids: list[int], num_drafts: int) -> list[list[int]]:
@@ -114,7 +121,27 @@ class DrafterEngine:
         self._check_draft(slots, anchor_ids, num_drafts)
         for slot in slots:
             self._check_block_room(slot, 0, num_drafts)
-        return self._draft_checked(slots, self._blocks(anchor_ids, num_drafts))
+        return self._draft_checked(slots, anchor_ids, num_drafts)
+
+    def _graph_fits(self, slots: list[int], num_new: list[int], num_drafts: int) -> bool:
+        """Whether a captured graph can add this context and draft `num_drafts` tokens (as
+        the first ones of a full block: the cache has a block of room past max_len)."""
+        return (
+            self.graphs is not None
+            and num_drafts <= self.graphs.block_tokens - 1
+            and self.graphs.accepts(len(slots), self.graphs.block_tokens, num_new)
+        )
+
+    def _replay(self, slots, features, anchor_ids, num_drafts: int) -> list[list[int]]:
+        """The graph's full-block drafts after adding the context, cut to `num_drafts`
+        (arguments as `add_context_and_draft`'s, checked)."""
+        starts = [self.cache.lengths[slot] for slot in slots]
+        on_device = [rows.to(self.device) for rows in features]
+        block = self._blocks(anchor_ids, self.graphs.block_tokens - 1)
+        draft_ids = self.graphs.replay(slots, starts, on_device, block)
+        for slot, rows in zip(slots, features, strict=True):
+            self.cache.lengths[slot] += rows.shape[0]
+        return [ids[:num_drafts] for ids in draft_ids.tolist()]
 
     def _check_block_room(self, slot: int, num_new_context: int, num_drafts: int) -> None:
         """The anchor and drafts must fit after the context (and its new rows)."""
@@ -139,12 +166,13 @@ class DrafterEngine:
             if not 0 <= anchor < self.vocab_size:
                 raise InvalidRequestError(f"anchor id {anchor} outside the vocabulary")
 
-    def _draft_checked(self, slots: list[int], block: list[list[int]]) -> list[list[int]]:
-        if self.graphs is not None and self.graphs.accepts(len(slots), len(block[0]), [0]):
-            starts = [self.cache.lengths[slot] for slot in slots]
+    def _draft_checked(
+        self, slots: list[int], anchor_ids: list[int], num_drafts: int
+    ) -> list[list[int]]:
+        if self._graph_fits(slots, [0] * len(slots), num_drafts):
             no_context = [torch.empty(0, self.feature_dim, device=self.device)] * len(slots)
-            return self.graphs.replay(slots, starts, no_context, block).tolist()
-        ids = torch.tensor(block, device=self.device)
+            return self._replay(slots, no_context, anchor_ids, num_drafts)
+        ids = torch.tensor(self._blocks(anchor_ids, num_drafts), device=self.device)
         logits = self.model.draft_logits(self.cache, slots, ids)
         return logits.argmax(dim=-1).tolist()
 

@@ -1,9 +1,13 @@
 """CUDA graphs of the target's verify forward (model + head), one per (sequences, tokens).
 
-Captured once at start-up for the batch sizes the scheduler forms and the two block lengths
-that matter (1: plain decoding, 16: a full speculative block); any other shape runs the same
-kernels eagerly, so results are identical either way. The graph's input is one int64 buffer
-[2 + T, B]: slots, start positions, then the token ids by position.
+Captured once at start-up for the batch sizes the scheduler forms and two block lengths
+(1: plain decoding, 16: a full speculative block). A block of another length runs in the
+next longer graph, padded after its last token: the padding rows come after every real row,
+and the kernels are causal and row-independent, so the real rows' logits, taps and recorded
+GDN inputs are those of the unpadded block bit for bit (an eager forward of 2..15 tokens
+costs thousands of kernel launches, more than a padded graph). Batch sizes that were not
+captured run the same kernels eagerly. The graph's input is one int64 buffer [2 + T, B]:
+slots, start positions, then the token ids by position.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class VerifyGraphs:
                 inputs = torch.zeros((2 + num_tokens, batch_size), dtype=torch.int64, device=device)
                 inputs[0] = torch.arange(batch_size, device=device)
                 warmup[(batch_size, num_tokens)] = (inputs,)
+        self.block_tokens = tuple(sorted(block_tokens))
         self.graphs = StepGraphs(self._forward, warmup)
 
     def _forward(self, inputs: tuple[torch.Tensor], key: tuple[int, int]):
@@ -53,11 +58,23 @@ class VerifyGraphs:
 
     def replay(
         self, slots: list[int], starts: tuple[int, ...], block_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(logits [B, T, vocab] fp32, taps) as the eager forward gives them, or None."""
-        key = (len(slots), len(block_ids[0]))
-        if not self.graphs.has(key):
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+        """(logits [B, T, vocab] fp32, taps [B, T, ...], tokens the forward ran) as the eager
+        forward of the T-token blocks gives them, or None when no graph fits this batch.
+
+        The forward ran the shortest captured length >= T; the state's KV cache has room
+        for its padding past any committed length (TargetState)."""
+        num_tokens = len(block_ids[0])
+        run_tokens = next(
+            (t for t in self.block_tokens if t >= num_tokens and self.graphs.has((len(slots), t))),
+            None,
+        )
+        if run_tokens is None:
             return None
-        host = torch.tensor([slots, list(starts), *zip(*block_ids, strict=True)])
-        logits, taps = self.graphs.replay(key, host)
-        return logits, taps
+        padded = [block + [block[-1]] * (run_tokens - num_tokens) for block in block_ids]
+        host = torch.tensor([slots, list(starts), *zip(*padded, strict=True)])
+        logits, taps = self.graphs.replay((len(slots), run_tokens), host)
+        if run_tokens > num_tokens:
+            logits = logits[:, :num_tokens]
+            taps = None if taps is None else taps[:, :num_tokens]
+        return logits, taps, run_tokens

@@ -160,10 +160,13 @@ def test_graph_replay_equals_eager_kernel_path(drafter_dir, target_dir):
         for engine in (eager, graphed):
             for slot in slots[engine]:
                 engine.add_context(slot, features(engine, 2 + round_index, seed=round_index))
-    # Not captured (4 drafts): the graphed engine runs the same kernels eagerly.
-    assert eager.draft(slots[eager], list(ANCHORS), 4) == graphed.draft(
-        slots[graphed], list(ANCHORS), 4
-    )
+    # Fewer drafts: the graph drafts a full block and keeps its first 4 (a 4-draft block
+    # differs: the block's mask positions attend to each other).
+    full = eager.draft(slots[eager], list(ANCHORS), 15)
+    assert graphed.draft(slots[graphed], list(ANCHORS), 4) == [ids[:4] for ids in full]
+    # A batch size that was not captured (2) runs the same kernels eagerly, on a 4-draft block.
+    pair = list(ANCHORS[:2])
+    assert eager.draft(slots[eager][:2], pair, 4) == graphed.draft(slots[graphed][:2], pair, 4)
 
 
 @needs_gpu

@@ -61,9 +61,11 @@ def kernel_model(tiny_dir):
     return model
 
 
-def new_engine(model, graph_batch_sizes=(), max_slots=4):
+def new_engine(model, graph_batch_sizes=(), max_slots=4, **options):
     shape = StateShape(max_slots=max_slots, max_len=256)
-    return TargetEngine(model, shape, tap_layer_ids=(1,), graph_batch_sizes=graph_batch_sizes)
+    return TargetEngine(
+        model, shape, tap_layer_ids=(1,), graph_batch_sizes=graph_batch_sizes, **options
+    )
 
 
 def decode(engine, slot, tokens):
@@ -190,7 +192,10 @@ def test_graph_sizes_beyond_the_slots_are_left_out_and_the_rest_need_kernels(tin
 @needs_gpu
 @pytest.mark.gpu
 def test_graph_replay_equals_eager(kernel_model):
-    eager, graphed = new_engine(kernel_model), new_engine(kernel_model, (1, 2))
+    eager, graphed = (
+        new_engine(kernel_model),
+        new_engine(kernel_model, (1, 2), graph_prefill_max_tokens=0),
+    )
     results = []
     for engine in (eager, graphed):
         slots = [engine.open_sequence(), engine.open_sequence()]
@@ -202,6 +207,64 @@ def test_graph_replay_equals_eager(kernel_model):
     for eager_result, graph_result in zip(results[:2], results[2:], strict=True):
         assert torch.equal(eager_result.logits, graph_result.logits)
         assert torch.equal(eager_result.taps, graph_result.taps)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_short_blocks_run_padded_in_the_16_token_graph_bit_for_bit(kernel_model):
+    """A 2..15-token block replays the 16-token graph padded after its last token: its rows
+    equal the eager forward of the short block, and committing all of them (not the padded
+    block's final state) leaves the state plain decoding reaches."""
+    eager, graphed = (
+        new_engine(kernel_model),
+        new_engine(kernel_model, (1, 2), graph_prefill_max_tokens=0),
+    )
+    outputs = {}
+    for engine in (eager, graphed):
+        slots = [engine.open_sequence(), engine.open_sequence()]
+        for slot in slots:
+            engine.prefill(slot, PROMPT)
+        rows = [engine.verify(slots, [BLOCK[:5], BLOCK[5:10]])]
+        assert engine.state.block_run_sizes[slots[0]] == (16 if engine is graphed else 5)
+        engine.commit(slots[0], 5)  # every token of the short block
+        engine.commit(slots[1], 2)
+        rows.append(engine.verify(slots, [BLOCK[9:16], BLOCK[:7]]))
+        engine.commit(slots[0], 7)
+        engine.commit(slots[1], 3)
+        rows.append(engine.verify(slots, [[BLOCK[3]], [BLOCK[4]]]))
+        outputs[engine] = rows
+    for eager_result, graph_result in zip(outputs[eager], outputs[graphed], strict=True):
+        assert torch.equal(eager_result.logits, graph_result.logits)
+        assert torch.equal(eager_result.taps, graph_result.taps)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_short_prompts_prefill_as_graph_verify_blocks(kernel_model):
+    """With graphs, a prompt up to graph_prefill_max_tokens is prefilled as 16-token verify
+    blocks through the graph: bit for bit an eager engine verifying and committing the same
+    blocks; a longer prompt takes the chunked prefill, bit for bit the eager engine's."""
+    prompt = PROMPT * 2  # 22 tokens: a full block and a padded 6-token one
+    graphed = new_engine(kernel_model, (1,), graph_prefill_max_tokens=32)
+    eager = new_engine(kernel_model)
+    slot = graphed.open_sequence()
+    result = graphed.prefill(slot, prompt)
+    assert graphed.state.lengths[slot] == len(prompt)
+    reference_slot = eager.open_sequence()
+    taps = []
+    for start in (0, 16):
+        block = eager.verify([reference_slot], [prompt[start : start + 16]])
+        eager.commit(reference_slot, len(prompt[start : start + 16]))
+        taps.append(block.taps[0])
+    assert torch.equal(result.last_logits, block.logits[0, -1])
+    assert torch.equal(result.taps, torch.cat(taps))
+    assert torch.equal(decode(graphed, slot, BLOCK[:3]), decode(eager, reference_slot, BLOCK[:3]))
+
+    longer = new_engine(kernel_model, (1,), graph_prefill_max_tokens=len(prompt) - 1)
+    chunked = longer.prefill(longer.open_sequence(), prompt)
+    plain = eager.prefill(eager.open_sequence(), prompt)
+    assert torch.equal(chunked.last_logits, plain.last_logits)
+    assert torch.equal(chunked.taps, plain.taps)
 
 
 @needs_gpu

@@ -2,7 +2,8 @@
 
 Attention needs nothing: keys beyond the committed length are masked and later overwritten.
 The GDN conv state is the last k−1 pre-conv inputs of [old conv state ; kept tokens]. The
-recurrent state is the block's final state when every token is kept, else the committed
+recurrent state is the block's final state when every token its forward ran is kept
+(a block padded to a graph's length never is), else the committed
 state advanced over the kept tokens with the block's recorded inputs, by the same
 recurrence the verify ran (plain torch `replay_state`, or the Triton kernel on the GPU path),
 so the result is bit for bit the state the verify passed through after those tokens.
@@ -31,7 +32,7 @@ def commit_block(
     state.conv_state[:, slot] = conv_state_after(
         state.conv_state[:, slot], state.block_conv_inputs[:, slot], num_kept
     )
-    if num_kept == block_size:
+    if num_kept == state.block_run_sizes[slot]:
         state.recurrent_state[:, slot] = state.block_final_state[:, slot]
     elif recurrence_kernel is None:
         for layer in range(state.recurrent_state.shape[0]):
@@ -45,7 +46,7 @@ def commit_block(
     else:
         _replay_with_kernel(state, slot, num_kept, recurrence_kernel)
     state.lengths[slot] += num_kept
-    state.block_sizes[slot] = 0
+    state.block_sizes[slot] = state.block_run_sizes[slot] = 0
 
 
 def _replay_with_kernel(state: TargetState, slot: int, num_kept: int, kernel: Callable) -> None:

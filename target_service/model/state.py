@@ -49,7 +49,10 @@ class TargetState:
             config.linear_key_head_dim,
             config.linear_value_head_dim,
         )
-        kv = (num_attn, slots, shape.max_len, config.num_key_value_heads, config.head_dim)
+        # Room for one block past max_len: a block padded to a captured graph's length
+        # writes (never-read) keys there.
+        kv_len = shape.max_len + shape.max_block_tokens
+        kv = (num_attn, slots, kv_len, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(kv, dtype=dtype, device=device)
         self.value_cache = torch.zeros(kv, dtype=dtype, device=device)
         conv = (num_gdn, slots, config.gdn_conv_dim, config.linear_conv_kernel_dim - 1)
@@ -68,7 +71,10 @@ class TargetState:
         self.block_decays = torch.zeros((num_gdn, slots, block, heads_v), **f32)
         self.block_betas = torch.zeros((num_gdn, slots, block, heads_v), **f32)
         self.lengths = [0] * slots
-        self.block_sizes = [0] * slots
+        self.block_sizes = [0] * slots  # tokens of the last verified block (keepable)
+        # Tokens its forward ran: more than block_sizes when padded to a captured graph's
+        # length; block_final_state is the state after all of them.
+        self.block_run_sizes = [0] * slots
 
     def reset_slot(self, slot: int) -> None:
         """Forget a sequence: zero its GDN state (its KV cache is masked by length)."""
@@ -76,6 +82,7 @@ class TargetState:
         self.recurrent_state[:, slot].zero_()
         self.lengths[slot] = 0
         self.block_sizes[slot] = 0
+        self.block_run_sizes[slot] = 0
 
     def bytes_per_sequence(self) -> dict[str, int]:
         """State bytes one slot owns, by kind; KV is per token of capacity."""
