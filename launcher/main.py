@@ -9,6 +9,7 @@ import sys
 
 from dflash_serve.errors import DflashError
 from dflash_serve.service_settings import DTYPE_CHOICES
+from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS
 
 
 def parse_ids(text: str) -> tuple[int, ...]:
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tap-layer-ids", type=parse_ids, help="layers whose outputs the drafter reads"
     )
     taps.add_argument("--drafter-model", help="read the tap layers from this drafter's config")
-    target.add_argument("--prefill-chunk-tokens", type=int, default=512)
+    target.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK_TOKENS)
     add_service_flags(target, 50051)
 
     drafter = sub.add_parser("drafter", help="run the DFlash drafter gRPC service")

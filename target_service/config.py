@@ -7,12 +7,17 @@ from dataclasses import dataclass, field
 from dflash_serve.errors import ConfigError
 from dflash_serve.service_settings import ServiceSettings
 
+# Each prefill chunk is one eager forward: ~2,000 host-bound kernel launches (~60 ms on an
+# H200), about the GPU time of 2,048 tokens; smaller chunks multiplied that cost (measured
+# with bench.prefill --profile).
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
+
 
 @dataclass(frozen=True)
 class TargetServiceConfig:
     model: str
     tap_layer_ids: tuple[int, ...] = ()
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     service: ServiceSettings = field(default_factory=ServiceSettings)
 
     def validate(self) -> None:

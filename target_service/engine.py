@@ -18,13 +18,13 @@ import torch
 from dflash_serve.errors import InvalidRequestError
 from dflash_serve.feature_channel import SharedFeatureBuffer
 from dflash_serve.slots import SlotAllocator
+from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS
 from target_service.model.commit import commit_block
 from target_service.model.decoder import Qwen35TextModel
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.state import StateShape, TargetState
 from target_service.verify_graphs import VerifyGraphs
 
-DEFAULT_PREFILL_CHUNK_TOKENS = 512
 # With verify graphs, prompts up to this length are prefilled as 16-token verify blocks (see
 # `_prefill_in_graph_blocks`); measured on an H200 (bench.prefill), an eager prefill costs
 # ~60 ms of host time below ~1,000 tokens and a replayed block ~5 ms: break-even ~190 tokens.
