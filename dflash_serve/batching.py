@@ -1,21 +1,26 @@
 """Dynamic batching: requests from concurrent sessions that are ready together run as one call.
 
-A request waits at most `max_wait_us` for companions, and a batch holds at most
-`max_batch_size` requests. Batches run on the batcher's own thread, which owns the engine
-(engines are not re-entrant): other engine work (prefill, open, close) goes through
-`run_exclusive` on the same thread. The event loop stays free meanwhile.
+A request waits at most `max_wait_us` for companions (no longer than until every session
+that could send one has), and a batch holds at most `max_batch_size` requests. Batches run
+on the batcher's own thread, which owns the engine (engines are not re-entrant): other
+engine work (prefill, open, close) goes through `run_exclusive` on the same thread. The
+event loop stays free meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 logger = logging.getLogger(__name__)
+
+# A session neither sending nor served for this long is not waited for (a busy session
+# comes back after a step elsewhere: a few to a few tens of milliseconds).
+RECENT_SESSION_S = 0.1
 
 Request = TypeVar("Request")
 Result = TypeVar("Result")
@@ -41,11 +46,15 @@ class DynamicBatcher(Generic[Request, Result]):
         thread_name: str,
         thread_initializer: Callable[[], object] | None = None,
         num_possible_requests: Callable[[], int] | None = None,
+        session_of: Callable[[Request], Hashable] | None = None,
+        recent_s: float = RECENT_SESSION_S,
     ) -> None:
         """thread_initializer runs once on the batcher's thread before its first batch.
         num_possible_requests: how many requests could be pending at most right now (the open
         sessions); a batch never waits for companions beyond that number, so a lone session
-        pays no max_wait_us."""
+        pays no max_wait_us. session_of: the session a request belongs to; with it, only
+        sessions that sent a request or got a result within `recent_s` are waited for (one
+        whose client stopped reading must not slow the others' every step)."""
         if max_batch_size < 1 or max_wait_us < 0:
             raise ValueError(
                 f"max_batch_size must be >= 1 and max_wait_us >= 0; got "
@@ -57,6 +66,9 @@ class DynamicBatcher(Generic[Request, Result]):
         self.max_wait_s = max_wait_us / 1e6
         self.counters = BatchCounters()
         self._pending: list[tuple[Request, asyncio.Future]] = []
+        self._session_of = session_of
+        self._recent_s = recent_s
+        self._last_seen: dict[Hashable, float] = {}
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(
@@ -70,6 +82,7 @@ class DynamicBatcher(Generic[Request, Result]):
             self._wakeup = asyncio.Event()
             self._worker = loop.create_task(self._work())
         future = loop.create_future()
+        self._mark_seen([request])
         self._pending.append((request, future))
         self._wakeup.set()
         return await future
@@ -78,17 +91,48 @@ class DynamicBatcher(Generic[Request, Result]):
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            if self.max_wait_s > 0 and len(self._pending) < self._largest_possible_batch():
-                await asyncio.sleep(self.max_wait_s)
             while self._pending:
+                await self._gather_companions()
                 batch = self._pending[: self.max_batch_size]
                 del self._pending[: len(batch)]
                 await self._run(batch)
 
+    async def _gather_companions(self) -> None:
+        """Wait up to max_wait_us until as many requests are pending as could be; return as
+        soon as they are. Also before a batch of requests that arrived while the previous
+        one ran: without that wait, sessions split into groups that alternate between this
+        engine and the other service's and never share a batch again."""
+        if self.max_wait_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_s
+        while len(self._pending) < self._largest_possible_batch():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _mark_seen(self, requests: Sequence[Request]) -> None:
+        if self._session_of is not None:
+            now = asyncio.get_running_loop().time()
+            for request in requests:
+                self._last_seen[self._session_of(request)] = now
+
     def _largest_possible_batch(self) -> int:
-        if self._num_possible_requests is None:
-            return self.max_batch_size
-        return min(self.max_batch_size, self._num_possible_requests())
+        largest = self.max_batch_size
+        if self._num_possible_requests is not None:
+            largest = min(largest, self._num_possible_requests())
+        if self._session_of is not None:
+            since = asyncio.get_running_loop().time() - self._recent_s
+            stale = [key for key, at in self._last_seen.items() if at < since]
+            for key in stale:
+                del self._last_seen[key]
+            largest = min(largest, len(self._last_seen))
+        return largest
 
     async def _run(self, batch: list[tuple[Request, asyncio.Future]]) -> None:
         live = [(request, future) for request, future in batch if not future.cancelled()]
@@ -104,6 +148,7 @@ class DynamicBatcher(Generic[Request, Result]):
         except Exception as error:  # handed to every waiter of this batch
             logger.exception("batch of %d failed", len(live))
             results = [error] * len(live)
+        self._mark_seen(requests)  # their sessions come back after a step elsewhere
         for (_, future), result in zip(live, results, strict=True):
             if future.done():
                 continue

@@ -2,7 +2,7 @@
 
 Its one thread runs every engine call, with the torch thread count the service asked for
 (see ServiceSettings.engine_threads), and a batch waits for companions only while more
-sessions are open than are already pending.
+sessions are open (and recently active) than are already pending.
 """
 
 from __future__ import annotations
@@ -16,19 +16,25 @@ from dflash_serve.batching import DynamicBatcher
 from dflash_serve.slots import SlotAllocator
 
 DEFAULT_MAX_BATCH_SIZE = 16
-DEFAULT_MAX_WAIT_US = 200
 
 
 def engine_batcher(
     run_batch: Callable[[Sequence], Sequence],
     slots: SlotAllocator,
     thread_name: str,
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-    max_wait_us: int = DEFAULT_MAX_WAIT_US,
+    max_batch_size: int,
+    max_wait_us: int,
     engine_threads: int | None = None,
 ) -> DynamicBatcher:
-    """engine_threads: torch intra-op threads of the engine thread (None: torch's default)."""
+    """engine_threads: torch intra-op threads of the engine thread (None: torch's default).
+    Requests carry the `slot` of their session."""
     setup = None if engine_threads is None else partial(torch.set_num_threads, engine_threads)
     return DynamicBatcher(
-        run_batch, max_batch_size, max_wait_us, thread_name, setup, lambda: slots.num_active
+        run_batch,
+        max_batch_size,
+        max_wait_us,
+        thread_name,
+        setup,
+        lambda: slots.num_active,
+        session_of=lambda request: request.slot,
     )

@@ -7,6 +7,13 @@ from dataclasses import dataclass
 from dflash_serve.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+# How long a step waits at most for other sessions' requests; the wait ends as soon as every
+# open, recently active session has sent one, so sessions in step wait nothing. The target
+# waits long enough for sessions in the drafter's step to come back (a draft step plus the
+# hand-offs: ~3-10 ms on an H200), so sessions that fell out of step share a verify again;
+# the drafter waits only for the spread of one verify's replies. Were both to wait long, each
+# would wait out the sessions the other holds.
+DEFAULT_MAX_WAIT_US = {"target": 20_000, "drafter": 1_000}
 
 
 @dataclass(frozen=True)
@@ -18,7 +25,7 @@ class ServiceSettings:
     max_sessions: int = 16
     max_context_tokens: int = 4096
     max_batch_size: int = 16
-    max_wait_us: int = 200
+    max_wait_us: int | None = None  # None: DEFAULT_MAX_WAIT_US of the service
     # torch intra-op threads of the engine thread. One is fastest for the small per-step ops
     # of decoding on a CPU: two OpenMP teams (the loading thread's and the engine thread's)
     # spinning on the same cores cost the embedded pair 40 % of its decode speed.
@@ -50,6 +57,10 @@ class ServiceSettings:
                 self.gpu_memory_fraction, torch.device(self.device)
             )
 
+    def wait_us(self, service: str) -> int:
+        """max_wait_us, or the service's default."""
+        return DEFAULT_MAX_WAIT_US[service] if self.max_wait_us is None else self.max_wait_us
+
     @property
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -62,7 +73,7 @@ class ServiceSettings:
             "max_sessions": self.max_sessions >= 1,
             "max_context_tokens": self.max_context_tokens >= 2,
             "max_batch_size": self.max_batch_size >= 1,
-            "max_wait_us": self.max_wait_us >= 0,
+            "max_wait_us": self.max_wait_us is None or self.max_wait_us >= 0,
             "engine_threads": self.engine_threads >= 1,
             "grace_period_s": self.grace_period_s >= 0,
             "dtype": self.dtype in DTYPE_CHOICES,

@@ -37,7 +37,7 @@ class DrafterRuntime:
                 model, service.max_sessions, service.max_context_tokens, graph_batch_sizes
             )
         self.drafter = InProcessDrafter(
-            self.engine, service.max_batch_size, service.max_wait_us, service.engine_threads
+            self.engine, service.max_batch_size, service.wait_us("drafter"), service.engine_threads
         )
         dflash = model.config
         self.info = DrafterInfo(

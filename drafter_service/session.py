@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
-from dflash_serve.engine_batcher import (
-    DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_MAX_WAIT_US,
-    engine_batcher,
-)
+from dflash_serve.engine_batcher import DEFAULT_MAX_BATCH_SIZE, engine_batcher
+from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US
 from drafter_service.engine import DrafterEngine
 from drafter_service.speculative_step import DraftRequest, add_context_and_draft
 
@@ -19,7 +16,7 @@ class InProcessDrafter:
         self,
         engine: DrafterEngine,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-        max_wait_us: int = DEFAULT_MAX_WAIT_US,
+        max_wait_us: int = DEFAULT_MAX_WAIT_US["drafter"],
         engine_threads: int | None = None,
     ) -> None:
         """engine_threads: torch threads of the engine thread (None: torch's default)."""

@@ -8,7 +8,7 @@ import logging
 import sys
 
 from dflash_serve.errors import DflashError
-from dflash_serve.service_settings import DTYPE_CHOICES
+from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US, DTYPE_CHOICES
 from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS
 
 
@@ -33,7 +33,11 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     parser.add_argument("--max-context-tokens", type=int, default=4096, help="tokens per session")
     parser.add_argument("--max-batch-size", type=int, default=16, help="sessions per batched step")
     parser.add_argument(
-        "--max-wait-us", type=int, default=200, help="how long a step waits for companions"
+        "--max-wait-us",
+        type=int,
+        help="how long a step waits at most for other sessions' requests (default: "
+        + ", ".join(f"{name} {us}" for name, us in DEFAULT_MAX_WAIT_US.items())
+        + ")",
     )
     parser.add_argument(
         "--engine-threads",

@@ -45,7 +45,7 @@ class TargetRuntime:
                 graph_batch_sizes=graph_batch_sizes,
             )
         self.target = InProcessTarget(
-            self.engine, service.max_batch_size, service.max_wait_us, service.engine_threads
+            self.engine, service.max_batch_size, service.wait_us("target"), service.engine_threads
         )
         model_config = model.config
         self.info = TargetInfo(

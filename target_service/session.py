@@ -9,11 +9,8 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
-from dflash_serve.engine_batcher import (
-    DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_MAX_WAIT_US,
-    engine_batcher,
-)
+from dflash_serve.engine_batcher import DEFAULT_MAX_BATCH_SIZE, engine_batcher
+from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 from target_service.engine import TargetEngine
 from target_service.speculative_step import VerifyRequest, prefill_and_choose, verify_and_commit
@@ -26,7 +23,7 @@ class InProcessTarget:
         self,
         engine: TargetEngine,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-        max_wait_us: int = DEFAULT_MAX_WAIT_US,
+        max_wait_us: int = DEFAULT_MAX_WAIT_US["target"],
         engine_threads: int | None = None,
     ) -> None:
         """engine_threads: torch threads of the engine thread (None: torch's default)."""

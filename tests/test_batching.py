@@ -47,35 +47,97 @@ def test_target_engine_thread_uses_the_configured_thread_count(causal_lm_dir):
     assert torch.get_num_threads() == main_threads  # this thread keeps its own setting
 
 
-def sleeps_before_a_lone_request(monkeypatch, num_possible) -> list[float]:
-    """The batcher's waits (asyncio.sleep calls) around one request."""
-    import dflash_serve.batching as batching
+MAX_WAIT_US = 3_000_000  # long: every test below that would wait this long fails by timing out
 
-    waits = []
-    real_sleep = asyncio.sleep
 
-    async def recording_sleep(seconds):
-        waits.append(seconds)
-        await real_sleep(0)
+def run_submissions(batcher, submissions, timeout_s=2.0):
+    """Submit (delay_s, request) pairs from concurrent tasks; the batches, in order."""
 
-    monkeypatch.setattr(batching.asyncio, "sleep", recording_sleep)
-    batcher = DynamicBatcher(lambda requests: list(requests), 8, 500, "wait", None, num_possible)
+    async def submit_after(delay_s, request):
+        await asyncio.sleep(delay_s)
+        return await batcher.submit(request)
 
     async def go():
-        return await batcher.submit("only")
+        tasks = [submit_after(delay, request) for delay, request in submissions]
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
 
-    assert asyncio.run(go()) == "only"
-    batcher.close()
-    return waits
-
-
-def test_a_lone_session_does_not_wait_for_companions(monkeypatch):
-    assert sleeps_before_a_lone_request(monkeypatch, lambda: 1) == []
+    try:
+        asyncio.run(go())
+    finally:
+        batcher.close()
 
 
-def test_a_request_waits_when_other_sessions_are_open(monkeypatch):
-    assert sleeps_before_a_lone_request(monkeypatch, lambda: 3) == [500e-6]
+def recording_batcher(batches, num_possible, **options):
+    def run_batch(requests):
+        batches.append(sorted(requests))
+        return list(requests)
+
+    return DynamicBatcher(run_batch, 8, MAX_WAIT_US, "wait", None, num_possible, **options)
 
 
-def test_without_a_session_count_the_batcher_always_waits(monkeypatch):
-    assert sleeps_before_a_lone_request(monkeypatch, None) == [500e-6]
+def test_a_lone_session_does_not_wait_for_companions():
+    batches = []
+    run_submissions(recording_batcher(batches, lambda: 1), [(0, "only")])
+    assert batches == [["only"]]
+
+
+def test_a_request_waits_for_the_other_open_sessions_and_no_longer():
+    """Three open sessions: the batch runs once the third request is in, long before
+    max_wait_us (a fixed sleep of max_wait_us would time out)."""
+    batches = []
+    submissions = [(0, "a"), (0.05, "b"), (0.1, "c")]
+    run_submissions(recording_batcher(batches, lambda: 3), submissions)
+    assert batches == [["a", "b", "c"]]
+
+
+def test_without_a_session_count_the_batcher_waits_out_max_wait():
+    batches = []
+    batcher = DynamicBatcher(lambda r: batches.append(list(r)) or list(r), 8, 100_000, "wait")
+    run_submissions(batcher, [(0, "a"), (0.02, "b")])
+    assert batches == [["a", "b"]]
+
+
+def test_requests_arriving_during_a_batch_wait_for_the_sessions_still_out():
+    """Sessions a, b, c: a and b arrive while c's batch runs, c comes back later; a and b
+    wait for it instead of running as a batch of their own (which would keep the sessions
+    in two groups that never share a batch again)."""
+    batches = []
+    started = threading.Event()
+
+    def run_batch(requests):
+        batches.append(sorted(r[0] for r in requests))
+        if batches == [["c"]]:
+            started.set()
+            threading.Event().wait(0.1)  # a and b arrive meanwhile
+        return list(requests)
+
+    batcher = DynamicBatcher(
+        run_batch, 8, MAX_WAIT_US, "wait", None, lambda: 3, session_of=lambda r: r[0]
+    )
+
+    async def go():
+        async def session(name, delays):
+            for delay in delays:
+                await asyncio.sleep(delay)
+                await batcher.submit((name, delay))
+
+        await asyncio.wait_for(
+            asyncio.gather(session("c", [0, 0.05]), session("a", [0.02]), session("b", [0.02])),
+            2.0,
+        )
+
+    try:
+        asyncio.run(go())
+    finally:
+        batcher.close()
+    assert started.is_set()
+    assert batches == [["c"], ["a", "b", "c"]]
+
+
+def test_a_session_silent_for_longer_than_recent_s_is_not_waited_for():
+    batches = []
+    batcher = recording_batcher(
+        batches, lambda: 2, session_of=lambda request: request[0], recent_s=0.05
+    )
+    run_submissions(batcher, [(0, ("idle", 1)), (0.2, ("busy", 1)), (0.25, ("busy", 2))])
+    assert batches == [[("idle", 1)], [("busy", 1)], [("busy", 2)]]
