@@ -7,7 +7,11 @@ cache), then timed one by one as CUDA graphs of 20 calls (GPU time, no launch ov
 dflash_serve/kernels/row_matmul_configs.json, with the machine and the timings; `--kinds int4`
 re-tunes only the 4-bit shapes and keeps the dense entries (each timing names its commit).
 
-    python -m bench.tune_row_matmul [--jobs 16] [--kinds dense,int4]
+    python -m bench.tune_row_matmul [--jobs 16] [--kinds dense,int4] [--row-tiles-only]
+
+`--row-tiles-only` keeps each tuned entry's tiles and split-K and sweeps its row tiles per
+program (1, 2, 4, 8) only: a minute instead of five, for entries tuned before row tiles
+existed. Row tiles change which rows share a weight tile, never a row's arithmetic.
 """
 
 from __future__ import annotations
@@ -55,6 +59,12 @@ def candidates(n: int, k: int, group: int | None) -> list[MatmulConfig]:
     return list(configs)
 
 
+def row_tile_candidates(tuned: dict) -> list[MatmulConfig]:
+    """A tuned entry with each number of row tiles per program."""
+    base = MatmulConfig(**tuned)
+    return [dataclasses.replace(base, row_tiles=tiles) for tiles in (1, 2, 4, 8)]
+
+
 def make_weight(n: int, k: int, group: int | None):
     if group is None:
         return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -75,13 +85,13 @@ def jobs(kinds: tuple[str, ...]) -> list[tuple[int, int, int | None]]:
 
 def compile_job(job) -> int:
     """Worker: run every candidate of one shape once (compiles into the disk cache)."""
-    n, k, group = job
+    n, k, group, configs = job
     weight = make_weight(n, k, group)
     x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
-    for config in candidates(n, k, group):
+    for config in configs:
         row_matmul(x, weight, config=config)
     torch.cuda.synchronize()
-    return len(candidates(n, k, group))
+    return len(configs)
 
 
 def graph_us(x, weight, config) -> float:
@@ -108,24 +118,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--jobs", type=int, default=16)
     parser.add_argument("--kinds", default="dense,int4", help="weight kinds to (re-)tune")
+    parser.add_argument("--row-tiles-only", action="store_true")
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))
     if not kinds or set(kinds) - {"dense", "int4"}:
         parser.error(f"--kinds: a comma-separated subset of dense,int4, got {args.kinds!r}")
     facts = run_facts("python -m bench.tune_row_matmul " + " ".join(sys.argv[1:]))
+    kept = json.loads(TUNED_CONFIGS_PATH.read_text()) if TUNED_CONFIGS_PATH.exists() else {}
+    if args.row_tiles_only:
+        tuned = kept.get("configs", {})
+        todo = [(n, k, g, row_tile_candidates(tuned[config_key(n, k, g)]))
+                for n, k, g in jobs(kinds) if config_key(n, k, g) in tuned]  # fmt: skip
+    else:
+        todo = [(n, k, g, candidates(n, k, g)) for n, k, g in jobs(kinds)]
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.jobs) as pool:
-        print("compiled", sum(pool.map(compile_job, jobs(kinds))), "candidates", flush=True)
-    kept = json.loads(TUNED_CONFIGS_PATH.read_text()) if TUNED_CONFIGS_PATH.exists() else {}
+        print("compiled", sum(pool.map(compile_job, todo)), "candidates", flush=True)
     keep = [key for key in kept.get("configs", {}) if key.split(":")[0] not in kinds]
     chosen = {key: kept["configs"][key] for key in keep}
     earlier = {"commit": kept.get("commit", "unknown")}
     timings = {key: earlier | kept.get("timings_us", {}).get(key, {}) for key in keep}
-    for n, k, group in jobs(kinds):
+    for n, k, group, configs in todo:
         weight = make_weight(n, k, group)
         rows = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (16, 128)}
         results = []
-        for config in candidates(n, k, group):
+        for config in configs:
             t16, t128 = graph_us(rows[16], weight, config), graph_us(rows[128], weight, config)
             results.append((t16 + t128 / 4, t16, t128, config))
         results.sort(key=lambda r: r[0])
@@ -139,7 +156,7 @@ def main() -> None:
             "us_128_rows": t128,
             "gbps_16_rows": bytes_read / t16 / 1e3,
             "candidates": len(results),
-        }
+        } | ({"swept": "row tiles only"} if args.row_tiles_only else {})
         print(key, timings[key], chosen[key], flush=True)
     record = facts | {"configs": chosen, "timings_us": timings}
     if kept.get("note") and keep:  # each entry names its commit; the note says the rest
