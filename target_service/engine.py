@@ -26,9 +26,9 @@ from target_service.model.state import StateShape, TargetState
 from target_service.verify_graphs import VerifyGraphs
 
 # With verify graphs, prompts up to this length are prefilled as 16-token verify blocks (see
-# `_prefill_in_graph_blocks`); measured on an H200 (bench.prefill), an eager prefill costs
-# ~60 ms of host time below ~1,000 tokens and a replayed block ~5 ms: break-even ~190 tokens.
-DEFAULT_GRAPH_PREFILL_MAX_TOKENS = 128
+# `prefills_in_blocks`); measured on an H200 (bench.prefill), an eager prefill costs ~60 ms
+# of host time below ~1,000 tokens and a replayed block ~5 ms: break-even ~190 tokens.
+DEFAULT_BLOCK_PREFILL_MAX_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,15 @@ class TargetEngine:
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         share_features: bool = False,
         graph_batch_sizes: tuple[int, ...] = (),
-        graph_prefill_max_tokens: int = DEFAULT_GRAPH_PREFILL_MAX_TOKENS,
+        block_prefill_max_tokens: int | None = None,
     ) -> None:
         """share_features: also write taps into a CUDA buffer other processes can map.
 
         graph_batch_sizes: capture CUDA graphs of the verify step for these batch sizes
         (the model must already run on its GPU kernels, see `use_gpu_kernels`); sizes above
-        the slot count are left out. graph_prefill_max_tokens: with graphs, prompts up to
-        this length are prefilled through them (0: never).
+        the slot count are left out. block_prefill_max_tokens: prompts up to this length are
+        prefilled as verify blocks (None: DEFAULT_BLOCK_PREFILL_MAX_TOKENS with graphs, where
+        the blocks replay them, else 0: never).
         """
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]
@@ -74,7 +75,6 @@ class TargetEngine:
         self.config = config
         self.tap_layer_ids = tuple(tap_layer_ids)
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.graph_prefill_max_tokens = graph_prefill_max_tokens
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.state = TargetState(config, shape, self.dtype, self.device)
@@ -96,6 +96,11 @@ class TargetEngine:
                     f"for {most_rows} rows; call model.use_gpu_kernels({most_rows}) first"
                 )
             self.graphs = VerifyGraphs(model, self.state, self.tap_layer_ids, graph_batch_sizes)
+        if block_prefill_max_tokens is None:
+            block_prefill_max_tokens = (
+                0 if self.graphs is None else DEFAULT_BLOCK_PREFILL_MAX_TOKENS
+            )
+        self.block_prefill_max_tokens = block_prefill_max_tokens
 
     def open_sequence(self) -> int:
         """Reserve a slot with empty state; CapacityError when all are in use."""
@@ -110,15 +115,31 @@ class TargetEngine:
         """Committed tokens of the sequence."""
         return self.state.lengths[slot]
 
-    @torch.inference_mode()
-    def prefill(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
+    def check_prompt(self, slot: int, prompt_ids: list[int]) -> None:
+        """Raise InvalidRequestError unless `prompt_ids` can be prefilled on `slot` now."""
         self._check_slot(slot)
         if not prompt_ids:
             raise InvalidRequestError("prompt_ids is empty; a prompt needs at least one token")
         self._check_ids(prompt_ids, "prompt_ids")
         self._check_room(slot, len(prompt_ids))
-        if self.graphs is not None and len(prompt_ids) <= self.graph_prefill_max_tokens:
-            return self._prefill_in_graph_blocks(slot, prompt_ids)
+
+    def prefills_in_blocks(self, num_tokens: int) -> bool:
+        """Whether a prompt of `num_tokens` is prefilled as verify blocks, each committed
+        whole (`prompt_blocks`): with verify graphs, every block replays one, where an eager
+        prefill is ~2,000 kernel launches, host-bound whatever the prompt's length; and the
+        blocks of concurrent sessions' prompts can share verifies (see InProcessTarget). The
+        result is the verify path's: no less the model's, and both decoding modes share it."""
+        return num_tokens <= self.block_prefill_max_tokens
+
+    def prompt_blocks(self, prompt_ids: list[int]) -> list[list[int]]:
+        size = self.state.shape.max_block_tokens
+        return [prompt_ids[start : start + size] for start in range(0, len(prompt_ids), size)]
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
+        self.check_prompt(slot, prompt_ids)
+        if self.prefills_in_blocks(len(prompt_ids)):
+            return self._prefill_in_blocks(slot, prompt_ids)
         taps = []
         hidden = None
         for start in range(0, len(prompt_ids), self.prefill_chunk_tokens):
@@ -133,15 +154,9 @@ class TargetEngine:
         last_logits = self.model.logits(hidden[0, -1])
         return PrefillResult(last_logits, torch.cat(taps) if taps else None)
 
-    def _prefill_in_graph_blocks(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
-        """A short prompt as verify blocks of 16 tokens, each committed whole, so that every
-        block replays the captured verify graph: an eager prefill is ~2,000 kernel launches,
-        host-bound whatever the prompt's length. The result is the verify path's, which is
-        no less the model's (both decoding modes share the prefill)."""
-        size = self.state.shape.max_block_tokens
+    def _prefill_in_blocks(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
         taps = []
-        for start in range(0, len(prompt_ids), size):
-            block = prompt_ids[start : start + size]
+        for block in self.prompt_blocks(prompt_ids):
             result = self.verify([slot], [block])
             self.commit(slot, len(block))
             if result.taps is not None:

@@ -7,13 +7,19 @@ these same sessions, and tests and benchmarks use them directly.
 from __future__ import annotations
 
 import asyncio
+import time
 from functools import partial
 
 from dflash_serve.engine_batcher import DEFAULT_MAX_BATCH_SIZE, engine_batcher
 from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 from target_service.engine import TargetEngine
-from target_service.speculative_step import VerifyRequest, prefill_and_choose, verify_and_commit
+from target_service.speculative_step import (
+    VerifyRequest,
+    prefill_and_choose,
+    prefill_result,
+    verify_and_commit,
+)
 
 
 class InProcessTarget:
@@ -56,9 +62,21 @@ class TargetSequence:
         self.is_closed = False
 
     async def prefill(self, prompt_ids: list[int]) -> TargetStep:
-        return await self.owner.batcher.run_exclusive(
-            prefill_and_choose, self.owner.engine, self.slot, list(prompt_ids), self.sampling
-        )
+        """A long prompt in one engine call; a short one as verify blocks through the batcher,
+        so that the prompts of sessions starting together share verifies (and a prefill
+        does not hold up the other sessions' steps)."""
+        engine, prompt_ids = self.owner.engine, list(prompt_ids)
+        if not engine.prefills_in_blocks(len(prompt_ids)):
+            return await self.owner.batcher.run_exclusive(
+                prefill_and_choose, engine, self.slot, prompt_ids, self.sampling
+            )
+        began_ns = time.perf_counter_ns()
+        engine.check_prompt(self.slot, prompt_ids)  # bad input: refused before any block
+        steps = []
+        for block in engine.prompt_blocks(prompt_ids):
+            request = VerifyRequest(self.slot, block, self.sampling, keep_all=True)
+            steps.append(await self.owner.batcher.submit(request))
+        return prefill_result(steps, began_ns)
 
     async def verify(self, block_ids: list[int]) -> TargetStep:
         return await self.owner.batcher.submit(

@@ -26,6 +26,7 @@ class VerifyRequest:
     slot: int
     block_ids: list[int]
     sampling: SamplingParams
+    keep_all: bool = False  # a block of the prompt: every token is committed, none checked
 
 
 def prefill_and_choose(
@@ -37,6 +38,16 @@ def prefill_and_choose(
     position = torch.tensor([len(prompt_ids)], device=result.last_logits.device)
     token = int(choose_tokens(result.last_logits.unsqueeze(0), position, sampling)[0])
     return TargetStep([token], 0, result.taps, 0, time.perf_counter_ns() - began_ns)
+
+
+def prefill_result(block_steps: list[TargetStep], began_ns: int) -> TargetStep:
+    """The prefill's step from the steps of its prompt blocks (verified with keep_all): the
+    target's token after the last block, the features of every prompt token."""
+    features = [step.features for step in block_steps]
+    taps = None if features[0] is None else torch.cat(features)
+    last = block_steps[-1]
+    elapsed_ns = time.perf_counter_ns() - began_ns
+    return TargetStep([last.token_ids[-1]], 0, taps, 0, elapsed_ns, last.batch_size)
 
 
 def count_accepted(drafts: list[int], target_tokens: list[int]) -> int:
@@ -76,8 +87,12 @@ def _verify_group(engine, group, indices, results) -> None:
     steps = []
     for row, (request, start) in enumerate(zip(group, starts, strict=True)):
         positions = torch.arange(start + 1, start + 1 + num_tokens, device=output.logits.device)
-        tokens = choose_tokens(output.logits[row], positions, request.sampling).tolist()
-        accepted = count_accepted(request.block_ids[1:], tokens)
+        if request.keep_all:  # only the token after the block is chosen
+            last = choose_tokens(output.logits[row, -1:], positions[-1:], request.sampling)
+            tokens, accepted = request.block_ids[1:] + last.tolist(), num_tokens - 1
+        else:
+            tokens = choose_tokens(output.logits[row], positions, request.sampling).tolist()
+            accepted = count_accepted(request.block_ids[1:], tokens)
         engine.commit(request.slot, accepted + 1)
         features = None if output.taps is None else output.taps[row, : accepted + 1].clone()
         steps.append((tokens[: accepted + 1], accepted, features, start))

@@ -194,7 +194,7 @@ def test_graph_sizes_beyond_the_slots_are_left_out_and_the_rest_need_kernels(tin
 def test_graph_replay_equals_eager(kernel_model):
     eager, graphed = (
         new_engine(kernel_model),
-        new_engine(kernel_model, (1, 2), graph_prefill_max_tokens=0),
+        new_engine(kernel_model, (1, 2), block_prefill_max_tokens=0),
     )
     results = []
     for engine in (eager, graphed):
@@ -217,7 +217,7 @@ def test_short_blocks_run_padded_in_the_16_token_graph_bit_for_bit(kernel_model)
     block's final state) leaves the state plain decoding reaches."""
     eager, graphed = (
         new_engine(kernel_model),
-        new_engine(kernel_model, (1, 2), graph_prefill_max_tokens=0),
+        new_engine(kernel_model, (1, 2), block_prefill_max_tokens=0),
     )
     outputs = {}
     for engine in (eager, graphed):
@@ -241,11 +241,11 @@ def test_short_blocks_run_padded_in_the_16_token_graph_bit_for_bit(kernel_model)
 @needs_gpu
 @pytest.mark.gpu
 def test_short_prompts_prefill_as_graph_verify_blocks(kernel_model):
-    """With graphs, a prompt up to graph_prefill_max_tokens is prefilled as 16-token verify
+    """With graphs, a prompt up to block_prefill_max_tokens is prefilled as 16-token verify
     blocks through the graph: bit for bit an eager engine verifying and committing the same
     blocks; a longer prompt takes the chunked prefill, bit for bit the eager engine's."""
     prompt = PROMPT * 2  # 22 tokens: a full block and a padded 6-token one
-    graphed = new_engine(kernel_model, (1,), graph_prefill_max_tokens=32)
+    graphed = new_engine(kernel_model, (1,), block_prefill_max_tokens=32)
     eager = new_engine(kernel_model)
     slot = graphed.open_sequence()
     result = graphed.prefill(slot, prompt)
@@ -260,7 +260,7 @@ def test_short_prompts_prefill_as_graph_verify_blocks(kernel_model):
     assert torch.equal(result.taps, torch.cat(taps))
     assert torch.equal(decode(graphed, slot, BLOCK[:3]), decode(eager, reference_slot, BLOCK[:3]))
 
-    longer = new_engine(kernel_model, (1,), graph_prefill_max_tokens=len(prompt) - 1)
+    longer = new_engine(kernel_model, (1,), block_prefill_max_tokens=len(prompt) - 1)
     chunked = longer.prefill(longer.open_sequence(), prompt)
     plain = eager.prefill(eager.open_sequence(), prompt)
     assert torch.equal(chunked.last_logits, plain.last_logits)
