@@ -87,15 +87,31 @@ class DynamicBatcher(Generic[Request, Result]):
         self._wakeup.set()
         return await future
 
+    def forget(self, session: Hashable) -> None:
+        """A session closed: stop waiting for it (and its slot's next owner starts afresh)."""
+        if self._last_seen.pop(session, None) is not None and self._wakeup is not None:
+            self._wakeup.set()
+
     async def _work(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._pending:
-                await self._gather_companions()
-                batch = self._pending[: self.max_batch_size]
-                del self._pending[: len(batch)]
-                await self._run(batch)
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                while self._pending:
+                    await self._gather_companions()
+                    batch = self._pending[: self.max_batch_size]
+                    del self._pending[: len(batch)]
+                    await self._run(batch)
+        except BaseException as error:  # closed, or a bug: no waiter may hang
+            for _, future in self._pending:
+                if future.done():
+                    continue
+                if isinstance(error, asyncio.CancelledError):
+                    future.cancel()
+                else:
+                    future.set_exception(error)
+            self._pending.clear()
+            raise
 
     async def _gather_companions(self) -> None:
         """Wait up to max_wait_us until as many requests are pending as could be; return as
@@ -106,15 +122,21 @@ class DynamicBatcher(Generic[Request, Result]):
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_wait_s
-        while len(self._pending) < self._largest_possible_batch():
+        while self._num_live_pending() < self._largest_possible_batch():
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return
+            if self._last_seen:  # look again when the oldest session would go stale
+                oldest = min(self._last_seen.values())
+                remaining = min(remaining, max(oldest + self._recent_s - loop.time(), 0) + 1e-4)
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
             except TimeoutError:
-                return
+                continue  # the deadline, or a session going stale: check again
+
+    def _num_live_pending(self) -> int:
+        return sum(not future.cancelled() for _, future in self._pending)
 
     def _mark_seen(self, requests: Sequence[Request]) -> None:
         if self._session_of is not None:
@@ -131,7 +153,9 @@ class DynamicBatcher(Generic[Request, Result]):
             stale = [key for key, at in self._last_seen.items() if at < since]
             for key in stale:
                 del self._last_seen[key]
-            largest = min(largest, len(self._last_seen))
+            # A request pending for longer than recent_s still counts its own session.
+            pending = {self._session_of(request) for request, _ in self._pending}
+            largest = min(largest, len(pending | self._last_seen.keys()))
         return largest
 
     async def _run(self, batch: list[tuple[Request, asyncio.Future]]) -> None:
@@ -145,10 +169,11 @@ class DynamicBatcher(Generic[Request, Result]):
         loop = asyncio.get_running_loop()
         try:
             results = await loop.run_in_executor(self._executor, self._run_batch, requests)
+            if len(results) != len(live):
+                raise RuntimeError(f"a batch of {len(live)} requests got {len(results)} results")
         except Exception as error:  # handed to every waiter of this batch
             logger.exception("batch of %d failed", len(live))
             results = [error] * len(live)
-        self._mark_seen(requests)  # their sessions come back after a step elsewhere
         for (_, future), result in zip(live, results, strict=True):
             if future.done():
                 continue
@@ -156,6 +181,7 @@ class DynamicBatcher(Generic[Request, Result]):
                 future.set_exception(result)
             else:
                 future.set_result(result)
+        self._mark_seen(requests)  # their sessions come back after a step elsewhere
 
     async def run_exclusive(self, fn: Callable, *args):
         """Run non-batched engine work on the engine thread, between batches."""

@@ -57,6 +57,7 @@ class DrafterSequence:
     async def close(self) -> None:
         if not self.is_closed:
             self.is_closed = True
+            self.owner.batcher.forget(self.slot)
             # Shielded: a close from a cancelled RPC must still free the slot.
             release = self.owner.batcher.run_exclusive(self.owner.engine.close_sequence, self.slot)
             await asyncio.shield(asyncio.ensure_future(release))

@@ -39,6 +39,7 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class VerifyResult:
+    # T: the longest block's length; rows past a shorter block's length are padding.
     logits: torch.Tensor  # [B, T, vocab] fp32; row t predicts the token after block token t
     taps: torch.Tensor | None  # [B, T, num_taps * hidden]
 
@@ -108,6 +109,12 @@ class TargetEngine:
         self.state.reset_slot(slot)
         return slot
 
+    def reset_sequence(self, slot: int) -> None:
+        """Forget everything the slot committed (a prefill that failed part-way), so that
+        the sequence can start again."""
+        self._check_slot(slot)
+        self.state.reset_slot(slot)
+
     def close_sequence(self, slot: int) -> None:
         self.slots.release(slot)
 
@@ -137,9 +144,17 @@ class TargetEngine:
 
     @torch.inference_mode()
     def prefill(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
+        """Commit the prompt; if this fails part-way, nothing stays committed."""
         self.check_prompt(slot, prompt_ids)
-        if self.prefills_in_blocks(len(prompt_ids)):
-            return self._prefill_in_blocks(slot, prompt_ids)
+        try:
+            if self.prefills_in_blocks(len(prompt_ids)):
+                return self._prefill_in_blocks(slot, prompt_ids)
+            return self._prefill_in_chunks(slot, prompt_ids)
+        except Exception:
+            self.reset_sequence(slot)
+            raise
+
+    def _prefill_in_chunks(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
         taps = []
         hidden = None
         for start in range(0, len(prompt_ids), self.prefill_chunk_tokens):
@@ -165,26 +180,27 @@ class TargetEngine:
 
     @torch.inference_mode()
     def verify(self, slots: list[int], block_ids: list[list[int]]) -> VerifyResult:
-        """Run one block per sequence (all blocks the same length) without committing."""
+        """Run one block per sequence without committing, all in one forward. Blocks of
+        different lengths are padded after their last token to the longest: a padding row
+        comes after every real row of its block, so (causal, row-independent kernels) the
+        real rows are those of the block alone; the result's rows past a block's own length
+        are padding."""
         if len(slots) != len(block_ids) or not slots:
             raise InvalidRequestError(
                 f"verify needs one block per slot; got {len(slots)} slots, {len(block_ids)} blocks"
             )
         if len(set(slots)) != len(slots):
             raise InvalidRequestError(f"verify got a slot twice: {slots}")
-        num_tokens = len(block_ids[0])
         for slot, block in zip(slots, block_ids, strict=True):
-            if len(block) != num_tokens:
-                raise InvalidRequestError(
-                    f"blocks verified together must have equal lengths; got "
-                    f"{[len(b) for b in block_ids]}"
-                )
             self.check_block(slot, block)
+        lengths = [len(block) for block in block_ids]
+        num_tokens = max(lengths)
+        padded = [block + [block[-1]] * (num_tokens - len(block)) for block in block_ids]
         starts = tuple(self.state.lengths[s] for s in slots)
-        replayed = None if self.graphs is None else self.graphs.replay(slots, starts, block_ids)
+        replayed = None if self.graphs is None else self.graphs.replay(slots, starts, padded)
         if replayed is None:
             batch = ForwardBatch(tuple(slots), starts, num_tokens, is_verify=True)
-            ids = torch.tensor(block_ids, device=self.device)
+            ids = torch.tensor(padded, device=self.device)
             hidden, taps = self.model(
                 ids, batch.on_device(self.device), self.state, self.tap_layer_ids
             )
@@ -192,10 +208,10 @@ class TargetEngine:
         else:
             logits, taps, run_tokens = replayed
         for row, slot in enumerate(slots):
-            self.state.block_sizes[slot] = num_tokens
+            self.state.block_sizes[slot] = lengths[row]
             self.state.block_run_sizes[slot] = run_tokens
             if taps is not None:
-                self._share(slot, starts[row], taps[row])
+                self._share(slot, starts[row], taps[row, : lengths[row]])
         return VerifyResult(logits, taps)
 
     def check_block(self, slot: int, block_ids: list[int]) -> None:

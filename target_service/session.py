@@ -71,11 +71,16 @@ class TargetSequence:
                 prefill_and_choose, engine, self.slot, prompt_ids, self.sampling
             )
         began_ns = time.perf_counter_ns()
-        engine.check_prompt(self.slot, prompt_ids)  # bad input: refused before any block
+        batcher = self.owner.batcher
+        await batcher.run_exclusive(engine.check_prompt, self.slot, prompt_ids)  # before a block
         steps = []
-        for block in engine.prompt_blocks(prompt_ids):
-            request = VerifyRequest(self.slot, block, self.sampling, keep_all=True)
-            steps.append(await self.owner.batcher.submit(request))
+        try:
+            for block in engine.prompt_blocks(prompt_ids):
+                request = VerifyRequest(self.slot, block, self.sampling, keep_all=True)
+                steps.append(await batcher.submit(request))
+        except Exception:  # nothing stays committed: the session can prefill again
+            await batcher.run_exclusive(engine.reset_sequence, self.slot)
+            raise
         return prefill_result(steps, began_ns)
 
     async def verify(self, block_ids: list[int]) -> TargetStep:
@@ -86,6 +91,7 @@ class TargetSequence:
     async def close(self) -> None:
         if not self.is_closed:
             self.is_closed = True
+            self.owner.batcher.forget(self.slot)
             # Shielded: a close from a cancelled RPC must still free the slot.
             release = self.owner.batcher.run_exclusive(self.owner.engine.close_sequence, self.slot)
             await asyncio.shield(asyncio.ensure_future(release))

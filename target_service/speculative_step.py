@@ -1,6 +1,6 @@
 """The target's half of a speculative step: choose its tokens, accept, commit.
 
-`verify_and_commit` runs the blocks of many sessions in one forward per block length. For a
+`verify_and_commit` runs the blocks of many sessions in one forward (whatever their lengths). For a
 block [anchor, d1..dk] at positions p..p+k, logits row i gives the target's token y_i at
 position p+i+1; drafts are accepted while d_{i+1} == y_i; the anchor and the accepted drafts
 are committed and y_accepted becomes the next anchor.
@@ -9,7 +9,6 @@ are committed and y_accepted becomes the next anchor.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,18 +62,19 @@ def count_accepted(drafts: list[int], target_tokens: list[int]) -> int:
 def verify_and_commit(
     engine: TargetEngine, requests: Sequence[VerifyRequest]
 ) -> list[TargetStep | DflashError]:
-    """One result per request, in order; an invalid request gets its error, others run."""
+    """One result per request, in order; an invalid request gets its error, the others run
+    in one forward (blocks of different lengths padded to the longest)."""
     results: list[TargetStep | DflashError | None] = [None] * len(requests)
-    groups: dict[int, list[int]] = defaultdict(list)
+    valid = []
     for index, request in enumerate(requests):
         try:
             engine.check_block(request.slot, request.block_ids)
         except DflashError as error:
             results[index] = error
             continue
-        groups[len(request.block_ids)].append(index)
-    for indices in groups.values():
-        _verify_group(engine, [requests[i] for i in indices], indices, results)
+        valid.append(index)
+    if valid:
+        _verify_group(engine, [requests[i] for i in valid], valid, results)
     return results
 
 
@@ -83,15 +83,16 @@ def _verify_group(engine, group, indices, results) -> None:
     slots = [r.slot for r in group]
     starts = [engine.length(s) for s in slots]
     output = engine.verify(slots, [r.block_ids for r in group])
-    num_tokens = len(group[0].block_ids)
     steps = []
     for row, (request, start) in enumerate(zip(group, starts, strict=True)):
-        positions = torch.arange(start + 1, start + 1 + num_tokens, device=output.logits.device)
+        num_tokens = len(request.block_ids)
+        logits = output.logits[row, :num_tokens]
+        positions = torch.arange(start + 1, start + 1 + num_tokens, device=logits.device)
         if request.keep_all:  # only the token after the block is chosen
-            last = choose_tokens(output.logits[row, -1:], positions[-1:], request.sampling)
+            last = choose_tokens(logits[-1:], positions[-1:], request.sampling)
             tokens, accepted = request.block_ids[1:] + last.tolist(), num_tokens - 1
         else:
-            tokens = choose_tokens(output.logits[row], positions, request.sampling).tolist()
+            tokens = choose_tokens(logits, positions, request.sampling).tolist()
             accepted = count_accepted(request.block_ids[1:], tokens)
         engine.commit(request.slot, accepted + 1)
         features = None if output.taps is None else output.taps[row, : accepted + 1].clone()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import torch
 
 from dflash_serve.batching import DynamicBatcher
@@ -141,3 +142,52 @@ def test_a_session_silent_for_longer_than_recent_s_is_not_waited_for():
     )
     run_submissions(batcher, [(0, ("idle", 1)), (0.2, ("busy", 1)), (0.25, ("busy", 2))])
     assert batches == [[("idle", 1)], [("busy", 1)], [("busy", 2)]]
+
+
+async def after(delay_s, fn, *args):
+    await asyncio.sleep(delay_s)
+    result = fn(*args)
+    return await result if asyncio.iscoroutine(result) else result
+
+
+def run_concurrently(batcher, *coroutines, timeout_s=2.0):
+    async def go():
+        await asyncio.wait_for(asyncio.gather(*coroutines), timeout_s)
+
+    try:
+        asyncio.run(go())
+    finally:
+        batcher.close()
+
+
+def test_a_session_closing_ends_the_others_wait():
+    """b waits for a (recently served); a closes: b runs then, not after max_wait_us."""
+    batches = []
+    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=10.0)
+    run_concurrently(
+        batcher,
+        batcher.submit(("a", 1)),
+        after(0.05, batcher.submit, ("b", 1)),
+        after(0.1, batcher.forget, "a"),
+    )
+    assert batches == [[("a", 1)], [("b", 1)]]
+
+
+def test_a_session_going_stale_during_the_wait_ends_it():
+    batches = []
+    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=0.2)
+    run_concurrently(batcher, batcher.submit(("a", 1)), after(0.05, batcher.submit, ("b", 1)))
+    assert batches == [[("a", 1)], [("b", 1)]]
+
+
+def test_a_batch_with_the_wrong_number_of_results_fails_its_requests():
+    batcher = DynamicBatcher(lambda requests: [], 8, 0, "broken")
+
+    async def go():
+        with pytest.raises(RuntimeError, match="got 0 results"):
+            await asyncio.wait_for(batcher.submit("x"), 2.0)
+
+    try:
+        asyncio.run(go())
+    finally:
+        batcher.close()

@@ -22,7 +22,7 @@ from target_service.session import InProcessTarget
 
 TAP = 2
 PROMPTS = ([5 + i % 90 for i in range(20)], [7 * i % 97 + 1 for i in range(33)], list(range(16)))
-LONG_WAIT_US = 2_000_000  # the sessions' first blocks must meet in one batch
+LONG_WAIT_US = 500_000  # the sessions' first blocks must meet in one batch
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +118,68 @@ def test_a_bad_short_prompt_is_refused_before_any_block_is_committed(model):
     assert engine.length(slot) == 0
 
 
-def test_longer_prompts_prefill_in_chunks(model):
-    prompt = PROMPTS[1]  # 33 tokens
-    blocked, chunked = new_engine(model, 32), new_engine(model, 0)
-    results = [engine.prefill(engine.open_sequence(), prompt) for engine in (blocked, chunked)]
-    assert torch.equal(results[0].last_logits, results[1].last_logits)
-    assert torch.equal(results[0].taps, results[1].taps)
+def count_verifies(engine):
+    """Wrap engine.verify (the block path calls it, the chunked path never does)."""
+    calls = []
+    verify = engine.verify
+
+    def counting(slots, blocks):
+        calls.append([len(block) for block in blocks])
+        return verify(slots, blocks)
+
+    engine.verify = counting
+    return calls
+
+
+def test_prompts_up_to_the_limit_run_as_blocks_longer_ones_in_chunks(model):
+    prompt = PROMPTS[1]  # 33 tokens: blocks of 16, 16, 1
+    at_limit, below = new_engine(model, len(prompt)), new_engine(model, len(prompt) - 1)
+    calls = {engine: count_verifies(engine) for engine in (at_limit, below)}
+    results = {engine: engine.prefill(engine.open_sequence(), prompt) for engine in calls}
+    assert calls[at_limit] == [[16], [16], [1]]
+    assert calls[below] == []
+    plain = new_engine(model, 0)
+    reference = plain.prefill(plain.open_sequence(), prompt)
+    assert torch.equal(results[below].last_logits, reference.last_logits)
+    assert torch.equal(results[below].taps, reference.taps)
+
+
+def test_a_prefill_failing_part_way_leaves_nothing_committed(model):
+    """The second block's verify fails: the slot is empty again and a retry gives the
+    result of a clean prefill (engine and batched session alike)."""
+    prompt = PROMPTS[0]
+    _, _, ref_token, ref_taps = reference_prefill(model, prompt)
+    engine = new_engine(model, 40)
+    verify, invocations = engine.verify, []
+
+    def failing_second(slots, blocks):
+        """Fails the second verify after `invocations` is cleared, once."""
+        invocations.append(len(blocks[0]))
+        if len(invocations) == 2:
+            raise RuntimeError("injected failure")
+        return verify(slots, blocks)
+
+    engine.verify = failing_second
+    slot = engine.open_sequence()
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.prefill(slot, prompt)
+    assert engine.length(slot) == 0
+    retry = engine.prefill(slot, prompt)
+    assert int(retry.last_logits.argmax()) == ref_token and torch.equal(retry.taps, ref_taps)
+
+    engine.close_sequence(slot)
+    invocations.clear()
+    target = InProcessTarget(engine)
+
+    async def session_prefill_twice():
+        session = await target.open(SamplingParams())
+        with pytest.raises(RuntimeError, match="injected"):
+            await session.prefill(prompt)
+        assert engine.length(session.slot) == 0
+        return await session.prefill(prompt)
+
+    try:
+        step = asyncio.run(session_prefill_twice())
+    finally:
+        target.close()
+    assert step.token_ids == [ref_token] and torch.equal(step.features, ref_taps)

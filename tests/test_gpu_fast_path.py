@@ -238,6 +238,19 @@ def test_short_blocks_run_padded_in_the_16_token_graph_bit_for_bit(kernel_model)
         assert torch.equal(eager_result.taps, graph_result.taps)
 
 
+def count_replays(engine):
+    """The (batch, tokens) keys of the engine's verify-graph replays from now on."""
+    keys = []
+    replay = engine.graphs.graphs.replay
+
+    def counting(key, *inputs):
+        keys.append(key)
+        return replay(key, *inputs)
+
+    engine.graphs.graphs.replay = counting
+    return keys
+
+
 @needs_gpu
 @pytest.mark.gpu
 def test_short_prompts_prefill_as_graph_verify_blocks(kernel_model):
@@ -247,8 +260,10 @@ def test_short_prompts_prefill_as_graph_verify_blocks(kernel_model):
     prompt = PROMPT * 2  # 22 tokens: a full block and a padded 6-token one
     graphed = new_engine(kernel_model, (1,), block_prefill_max_tokens=32)
     eager = new_engine(kernel_model)
+    replays = count_replays(graphed)
     slot = graphed.open_sequence()
     result = graphed.prefill(slot, prompt)
+    assert replays == [(1, 16), (1, 16)]
     assert graphed.state.lengths[slot] == len(prompt)
     reference_slot = eager.open_sequence()
     taps = []
@@ -261,7 +276,9 @@ def test_short_prompts_prefill_as_graph_verify_blocks(kernel_model):
     assert torch.equal(decode(graphed, slot, BLOCK[:3]), decode(eager, reference_slot, BLOCK[:3]))
 
     longer = new_engine(kernel_model, (1,), block_prefill_max_tokens=len(prompt) - 1)
+    replays = count_replays(longer)
     chunked = longer.prefill(longer.open_sequence(), prompt)
+    assert replays == []
     plain = eager.prefill(eager.open_sequence(), prompt)
     assert torch.equal(chunked.last_logits, plain.last_logits)
     assert torch.equal(chunked.taps, plain.taps)

@@ -73,6 +73,56 @@ def test_commit_prefix_equals_direct_feeding(model, num_kept):
         ), name
 
 
+def test_keeping_a_whole_padded_block_replays_instead_of_adopting_the_final_state(model):
+    """A short block padded to a graph's length ran 16 tokens in its forward; keeping all 5
+    of its own must replay them, not adopt the state after 16 (simulated on the CPU: a
+    16-token verify, then the block size the padded path records)."""
+    rng = random.Random(99)
+    block = random_tokens(rng, 16, model.config.vocab_size)
+    padded, short = new_engine(model), new_engine(model)
+    slots = {engine: engine.open_sequence() for engine in (padded, short)}
+    for engine, slot in slots.items():
+        engine.prefill(slot, PROMPT)
+    padded.verify([slots[padded]], [block])
+    padded.state.block_sizes[slots[padded]] = 5  # block_run_sizes stays 16
+    padded.commit(slots[padded], 5)
+    short.verify([slots[short]], [block[:5]])
+    short.commit(slots[short], 5)
+    for name in ("recurrent_state", "conv_state"):
+        assert torch.equal(
+            getattr(padded.state, name)[:, slots[padded]],
+            getattr(short.state, name)[:, slots[short]],
+        ), name
+    continuation = random_tokens(rng, 4, model.config.vocab_size)
+    assert torch.equal(
+        decode(padded, slots[padded], continuation), decode(short, slots[short], continuation)
+    )
+
+
+def test_blocks_of_different_lengths_share_one_verify_bit_for_bit(model):
+    """One verify of blocks of 5, 16 and 1 tokens (padded to 16 inside) gives each block's
+    rows of its own verify, and commits of each leave the same states."""
+    rng = random.Random(7)
+    vocab = model.config.vocab_size
+    blocks = [random_tokens(rng, n, vocab) for n in (5, 16, 1)]
+    kept = (3, 16, 1)
+    shared, alone = new_engine(model), new_engine(model)
+    slots = {engine: [engine.open_sequence() for _ in blocks] for engine in (shared, alone)}
+    for engine, engine_slots in slots.items():
+        for slot, prompt_length in zip(engine_slots, (11, 7, 9), strict=True):
+            engine.prefill(slot, PROMPT[:prompt_length])
+    together = shared.verify(slots[shared], blocks)
+    for row, (block, num_kept) in enumerate(zip(blocks, kept, strict=True)):
+        own = alone.verify([slots[alone][row]], [block])
+        assert torch.equal(together.logits[row, : len(block)], own.logits[0])
+        assert torch.equal(together.taps[row, : len(block)], own.taps[0])
+        alone.commit(slots[alone][row], num_kept)
+        shared.commit(slots[shared][row], num_kept)
+    continuation = random_tokens(rng, 3, vocab)
+    for a, b in zip(slots[shared], slots[alone], strict=True):
+        assert torch.equal(decode(shared, a, continuation), decode(alone, b, continuation))
+
+
 def test_hundred_rejections_never_drift(model):
     rng = random.Random(7)
     vocab = model.config.vocab_size
