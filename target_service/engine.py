@@ -195,18 +195,21 @@ class TargetEngine:
             self.check_block(slot, block)
         lengths = [len(block) for block in block_ids]
         num_tokens = max(lengths)
-        padded = [block + [block[-1]] * (num_tokens - len(block)) for block in block_ids]
+        run_length = None if self.graphs is None else self.graphs.run_length(len(slots), num_tokens)
+        run_tokens = num_tokens if run_length is None else run_length
+        padded = [block + [block[-1]] * (run_tokens - len(block)) for block in block_ids]
         starts = tuple(self.state.lengths[s] for s in slots)
-        replayed = None if self.graphs is None else self.graphs.replay(slots, starts, padded)
-        if replayed is None:
-            batch = ForwardBatch(tuple(slots), starts, num_tokens, is_verify=True)
+        if run_length is None:
+            batch = ForwardBatch(tuple(slots), starts, run_tokens, is_verify=True)
             ids = torch.tensor(padded, device=self.device)
             hidden, taps = self.model(
                 ids, batch.on_device(self.device), self.state, self.tap_layer_ids
             )
-            logits, run_tokens = self.model.logits(hidden), num_tokens
+            logits = self.model.logits(hidden)
         else:
-            logits, taps, run_tokens = replayed
+            logits, taps = self.graphs.replay(slots, starts, padded)
+            logits = logits[:, :num_tokens]  # the graph's padding past the longest block
+            taps = None if taps is None else taps[:, :num_tokens]
         for row, slot in enumerate(slots):
             self.state.block_sizes[slot] = lengths[row]
             self.state.block_run_sizes[slot] = run_tokens

@@ -1,13 +1,11 @@
 """CUDA graphs of the target's verify forward (model + head), one per (sequences, tokens).
 
 Captured once at start-up for the batch sizes the scheduler forms and two block lengths
-(1: plain decoding, 16: a full speculative block). A block of another length runs in the
-next longer graph, padded after its last token: the padding rows come after every real row,
-and the kernels are causal and row-independent, so the real rows' logits, taps and recorded
-GDN inputs are those of the unpadded block bit for bit (an eager forward of 2..15 tokens
-costs thousands of kernel launches, more than a padded graph). Batch sizes that were not
-captured run the same kernels eagerly. The graph's input is one int64 buffer [2 + T, B]:
-slots, start positions, then the token ids by position.
+(1: plain decoding, 16: a full speculative block). Blocks of another length run in the next
+longer graph (`run_length`), padded by the engine after their last token (an eager forward
+of 2..15 tokens costs thousands of kernel launches, more than a padded graph). Batch sizes
+that were not captured run the same kernels eagerly. The graph's input is one int64 buffer
+[2 + T, B]: slots, start positions, then the token ids by position.
 """
 
 from __future__ import annotations
@@ -56,25 +54,20 @@ class VerifyGraphs:
         hidden, taps = self.model(inputs[2:].t(), batch, self.state, self.tap_layer_ids)
         return self.model.logits(hidden), taps
 
-    def replay(
-        self, slots: list[int], starts: tuple[int, ...], block_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
-        """(logits [B, T, vocab] fp32, taps [B, T, ...], tokens the forward ran) as the eager
-        forward of the T-token blocks gives them, or None when no graph fits this batch.
-
-        The forward ran the shortest captured length >= T; the state's KV cache has room
-        for its padding past any committed length (TargetState)."""
-        num_tokens = len(block_ids[0])
-        run_tokens = next(
-            (t for t in self.block_tokens if t >= num_tokens and self.graphs.has((len(slots), t))),
+    def run_length(self, batch_size: int, num_tokens: int) -> int | None:
+        """The shortest captured block length >= num_tokens for this batch size, or None
+        (the engine then runs the forward eagerly)."""
+        return next(
+            (t for t in self.block_tokens if t >= num_tokens and self.graphs.has((batch_size, t))),
             None,
         )
-        if run_tokens is None:
-            return None
-        padded = [block + [block[-1]] * (run_tokens - num_tokens) for block in block_ids]
-        host = torch.tensor([slots, list(starts), *zip(*padded, strict=True)])
-        logits, taps = self.graphs.replay((len(slots), run_tokens), host)
-        if run_tokens > num_tokens:
-            logits = logits[:, :num_tokens]
-            taps = None if taps is None else taps[:, :num_tokens]
-        return logits, taps, run_tokens
+
+    def replay(
+        self, slots: list[int], starts: tuple[int, ...], block_ids: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [B, T, vocab] fp32, taps) as the eager forward gives them, for blocks of a
+        captured length T (`run_length`); the state's KV cache has room for padding past any
+        committed length (TargetState)."""
+        host = torch.tensor([slots, list(starts), *zip(*block_ids, strict=True)])
+        logits, taps = self.graphs.replay((len(slots), len(block_ids[0])), host)
+        return logits, taps

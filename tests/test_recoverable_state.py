@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from target_service.engine import TargetEngine
+from target_service.model.forward_batch import ForwardBatch
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape, TargetState
 
@@ -121,6 +122,52 @@ def test_blocks_of_different_lengths_share_one_verify_bit_for_bit(model):
     continuation = random_tokens(rng, 3, vocab)
     for a, b in zip(slots[shared], slots[alone], strict=True):
         assert torch.equal(decode(shared, a, continuation), decode(alone, b, continuation))
+
+
+class EagerVerifyGraphs:
+    """Stands in for VerifyGraphs on the CPU: 'captured' for 16-token blocks only, replayed
+    by running the same forward eagerly (what a graph replays)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.keys = []
+
+    def run_length(self, batch_size: int, num_tokens: int) -> int:
+        return 16
+
+    def replay(self, slots, starts, block_ids):
+        engine = self.engine
+        self.keys.append((len(slots), len(block_ids[0])))
+        batch = ForwardBatch(tuple(slots), starts, len(block_ids[0]), is_verify=True)
+        ids = torch.tensor(block_ids)
+        hidden, taps = engine.model(ids, batch.on_device("cpu"), engine.state, engine.tap_layer_ids)
+        return engine.model.logits(hidden), taps
+
+
+def test_short_blocks_run_in_a_longer_graph_padded_bit_for_bit(model):
+    """The engine's graph path: blocks of 5 and 3 tokens run as one 16-token graph replay,
+    their rows and the states their commits leave equal an engine without graphs."""
+    rng = random.Random(11)
+    vocab = model.config.vocab_size
+    blocks = [random_tokens(rng, 5, vocab), random_tokens(rng, 3, vocab)]
+    graphed, plain = new_engine(model), new_engine(model)
+    graphed.graphs = EagerVerifyGraphs(graphed)
+    slots = {engine: [engine.open_sequence() for _ in blocks] for engine in (graphed, plain)}
+    for engine, engine_slots in slots.items():
+        for slot in engine_slots:
+            engine.prefill(slot, PROMPT)
+    results = {engine: engine.verify(slots[engine], blocks) for engine in (graphed, plain)}
+    assert graphed.graphs.keys == [(2, 16)]
+    assert [graphed.state.block_run_sizes[s] for s in slots[graphed]] == [16, 16]
+    assert torch.equal(results[graphed].logits, results[plain].logits)
+    assert torch.equal(results[graphed].taps, results[plain].taps)
+    continuation = random_tokens(rng, 3, vocab)
+    for row, num_kept in enumerate((5, 2)):  # all of the first block, part of the second
+        after = []
+        for engine in (graphed, plain):
+            engine.commit(slots[engine][row], num_kept)
+            after.append(decode(engine, slots[engine][row], continuation))
+        assert torch.equal(after[0], after[1])
 
 
 def test_hundred_rejections_never_drift(model):
