@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash_serve.layers.activations import silu
@@ -19,6 +20,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
         self.gate_up: RowKernelGroup | None = None  # these two are set by fuse_row_kernels
         self.silu_mul = None
+        self.gate_up_weight: torch.Tensor | None = None  # set by stack_gate_up
 
     def fuse_row_kernels(self) -> None:
         """gate_proj and up_proj as one kernel matmul and silu·up as one kernel (after the
@@ -28,8 +30,24 @@ class SwiGLU(nn.Module):
         self.gate_up = RowKernelGroup([self.gate_proj, self.up_proj])
         self.silu_mul = silu_mul
 
+    def stack_gate_up(self) -> None:
+        """For every row count: gate_proj and up_proj as one (cuBLAS) matmul over their stacked
+        weights, and silu·up as one kernel. For the drafter, whose drafts need not be row-
+        independent; the dense linears become views of the stacked weight (no second copy)."""
+        from dflash_serve.kernels.silu_mul import silu_mul
+
+        stacked = torch.cat((self.gate_proj.weight, self.up_proj.weight))
+        gate_weight, up_weight = stacked.split(self.gate_proj.out_features)
+        self.gate_proj.weight = nn.Parameter(gate_weight, requires_grad=False)
+        self.up_proj.weight = nn.Parameter(up_weight, requires_grad=False)
+        self.gate_up_weight = stacked
+        self.silu_mul = silu_mul
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.accepts(x):
             gate, up = self.gate_up(x)
+            return self.down_proj(self.silu_mul(gate, up))
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
             return self.down_proj(self.silu_mul(gate, up))
         return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dflash_serve.layers import norm_math
+from dflash_serve.layers.rotary import apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +38,17 @@ class RMSNorm(nn.Module):
         if self.kernel is not None:
             return self.kernel(x.contiguous(), self.weight, self.eps, self.zero_centred)
         return norm_math.rms_norm(x, self.weight, self.eps, self.zero_centred)
+
+    def norm_and_rotate(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """`apply_rotary(self(x), *cos_sin)` for x [..., heads, head_dim] (attention's q/k
+        norms): one kernel on the kernel path, bit for bit the two steps."""
+        if self.kernel is not None:
+            from dflash_serve.kernels.norm_rotary import norm_rotary
+
+            return norm_rotary(x, self.weight, self.eps, self.zero_centred, *cos_sin)
+        return apply_rotary(self(x), *cos_sin)
 
     def add_and_norm(
         self, x: torch.Tensor, delta: torch.Tensor

@@ -12,7 +12,6 @@ from dflash_serve.layers.activations import sigmoid
 from dflash_serve.layers.attention import attend_each_query, attend_masked
 from dflash_serve.layers.linear import Linear, RowKernelGroup
 from dflash_serve.layers.norms import RMSNorm
-from dflash_serve.layers.rotary import apply_rotary
 from dflash_serve.qwen35_config import Qwen35TextConfig
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.state import TargetState
@@ -63,8 +62,8 @@ class GatedAttention(nn.Module):
         per_head = projected_q.reshape(num_seqs, num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = per_head.chunk(2, dim=-1)
         kv_shape = (num_seqs, num_tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(self.q_norm(q), *cos_sin)
-        k = apply_rotary(self.k_norm(projected_k.reshape(kv_shape)), *cos_sin)
+        q = self.q_norm.norm_and_rotate(q, cos_sin)
+        k = self.k_norm.norm_and_rotate(projected_k.reshape(kv_shape), cos_sin)
         v = projected_v.reshape(kv_shape)
         if batch.is_verify and self.attention_kernel is not None:
             attn = self._verify_with_kernel(q, k, v, batch, state)
