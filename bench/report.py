@@ -79,6 +79,9 @@ def markdown(r: dict) -> str:
         "",
         f"Speculative greedy == plain greedy: {json.dumps(r.get('spec_equals_ar'))}",
     ]
+    notes = r.get("notes", [])
+    if notes:  # merged files say which command measured which section
+        lines += ["", "Notes:"] + [f"- {note}" for note in notes]
     errors = r.get("errors", {})
     if errors:
         lines += ["", "Sections that failed:"] + [f"- {k}: {v}" for k, v in errors.items()]

@@ -190,8 +190,13 @@ class DFlashDrafter(nn.Module):
         return self.normed_head_logits(self.norm(h))
 
     def normed_head_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """The final norm's output [..., hidden] → fp32 draft logits [..., vocab]."""
-        logits = row_stable_linear(normed, self.head_weight).float()
+        """The final norm's output [..., hidden] → fp32 draft logits [..., vocab]. The rows go
+        to one matmul as one contiguous 2-D input: a strided [B, T, hidden] view (the block
+        without its anchor) became one GEMM per sequence, each re-reading the 1.3 GB head
+        (8 sequences: 2.5 ms instead of 0.35 on the H200)."""
+        rows = normed.reshape(-1, normed.shape[-1]).contiguous()
+        logits = row_stable_linear(rows, self.head_weight).float()
+        logits = logits.reshape(*normed.shape[:-1], logits.shape[-1])
         logits = logits * self.config.output_multiplier
         softcap = self.config.final_logit_softcapping
         if softcap:
