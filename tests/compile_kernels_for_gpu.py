@@ -74,6 +74,7 @@ def compile_instead_of_launch(self: JITFunction, *args, grid, warmup, **kwargs):
 def launch_every_variant() -> None:
     """The launches the engines make: each kernel in each of its compiled variants."""
     from dflash_serve.kernels.block_attention import block_attention
+    from dflash_serve.kernels.norm_rotary import norm_rotary
     from dflash_serve.kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
     from dflash_serve.kernels.row_matmul import (
         MatmulConfig,
@@ -126,6 +127,13 @@ def launch_every_variant() -> None:
     gated_rms_norm(rows, rows, torch.ones(64), 1e-6)
     add_rms_norm(rows, rows, torch.ones(64), 1e-6, True)
     silu_mul(rows, rows)
+    for head_dim, rotary_dim, zero_centred in (
+        (256, 64, True),
+        (128, 128, False),
+    ):  # target, drafter
+        heads = torch.randn(16, 4, head_dim, dtype=torch.bfloat16)
+        cos = torch.randn(16, rotary_dim)
+        norm_rotary(heads, torch.ones(head_dim), 1e-6, zero_centred, cos, cos)
     for heads, kv_heads, head_dim in ((16, 4, 256), (32, 8, 128)):
         q, key_cache, value_cache, slots, starts = attention_tests.random_problem(
             heads, kv_heads, head_dim, 16, [3, 40]

@@ -21,6 +21,7 @@ KERNELS = [
     "_gated_rms_norm_kernel",
     "_add_rms_norm_kernel",
     "_silu_mul_kernel",
+    "_norm_rotary_kernel",
     "_split_attention_kernel",
     "_combine_splits_kernel",
     "_gdn_inputs_kernel",
