@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from dflash_serve import step_trace
+
 logger = logging.getLogger(__name__)
 
 # A session neither sending nor served for this long is not waited for (a busy session
@@ -71,6 +73,7 @@ class DynamicBatcher(Generic[Request, Result]):
         self._last_seen: dict[Hashable, float] = {}
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
+        self._trace_name = thread_name
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=thread_name, initializer=thread_initializer
         )
@@ -82,6 +85,7 @@ class DynamicBatcher(Generic[Request, Result]):
             self._wakeup = asyncio.Event()
             self._worker = loop.create_task(self._work())
         future = loop.create_future()
+        step_trace.mark(f"{self._trace_name}.queued")
         self._mark_seen([request])
         self._pending.append((request, future))
         self._wakeup.set()
@@ -167,8 +171,11 @@ class DynamicBatcher(Generic[Request, Result]):
         self.counters.max_batch_size_seen = max(self.counters.max_batch_size_seen, len(live))
         requests = [request for request, _ in live]
         loop = asyncio.get_running_loop()
+        run_batch = self._traced_run_batch if step_trace.is_enabled() else self._run_batch
+        step_trace.mark(f"{self._trace_name}.batch")
         try:
-            results = await loop.run_in_executor(self._executor, self._run_batch, requests)
+            results = await loop.run_in_executor(self._executor, run_batch, requests)
+            step_trace.mark(f"{self._trace_name}.resumed")
             if len(results) != len(live):
                 raise RuntimeError(f"a batch of {len(live)} requests got {len(results)} results")
         except Exception as error:  # handed to every waiter of this batch
@@ -181,7 +188,14 @@ class DynamicBatcher(Generic[Request, Result]):
                 future.set_exception(result)
             else:
                 future.set_result(result)
+        step_trace.mark(f"{self._trace_name}.resolved")
         self._mark_seen(requests)  # their sessions come back after a step elsewhere
+
+    def _traced_run_batch(self, requests):
+        step_trace.mark(f"{self._trace_name}.thread_start")
+        results = self._run_batch(requests)
+        step_trace.mark(f"{self._trace_name}.thread_end")
+        return results
 
     async def run_exclusive(self, fn: Callable, *args):
         """Run non-batched engine work on the engine thread, between batches."""

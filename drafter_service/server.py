@@ -6,6 +6,7 @@ import logging
 from dataclasses import asdict
 
 from dflash_protos import drafter_pb2, drafter_pb2_grpc
+from dflash_serve import step_trace
 from dflash_serve.errors import DflashError, InvalidRequestError
 from dflash_serve.grpc_support.errors import abort_with
 from dflash_serve.grpc_support.feature_messages import (
@@ -49,9 +50,12 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 elif session is None:
                     raise InvalidRequestError(f"{kind} before open: open the session first")
                 elif kind == "draft":
+                    step_trace.mark("drafter.received")
                     draft = message.draft
                     features = await self._features(draft.features, messages)
+                    step_trace.mark("drafter.submit")
                     ids = await session.draft(features, draft.anchor_id, draft.num_drafts)
+                    step_trace.mark("drafter.result")
                     yield drafter_pb2.RunSessionResponse(
                         drafted=drafter_pb2.Drafted(
                             draft_ids=ids,

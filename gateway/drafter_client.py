@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from dflash_protos import drafter_pb2, drafter_pb2_grpc
+from dflash_serve import step_trace
 from dflash_serve.feature_refs import SharedBufferInfo
 from dflash_serve.grpc_support.feature_messages import (
     TRANSPORTS,
@@ -69,13 +70,16 @@ class RemoteDrafterSession:
 
     async def draft(self, features, anchor_id: int, num_drafts: int) -> list[int]:
         """`features`: the InlineFeatures/SharedFeatures the target returned, passed through."""
+        step_trace.mark("gateway.draft.send")
         draft = drafter_pb2.Draft(
             features=feature_ref_message(features), anchor_id=anchor_id, num_drafts=num_drafts
         )
         await self.call.write(drafter_pb2.RunSessionRequest(draft=draft))
         for chunk in chunk_messages(features):
             await self.call.write(drafter_pb2.RunSessionRequest(feature_chunk=chunk))
+        step_trace.mark("gateway.draft.sent")
         drafted = await read_event(self.call, "drafted")
+        step_trace.mark("gateway.draft.received")
         self.last_forward_ns, self.last_batch_size = drafted.forward_ns, drafted.batch_size
         return list(drafted.draft_ids)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from dflash_protos import target_pb2, target_pb2_grpc
+from dflash_serve import step_trace
 from dflash_serve.feature_refs import SharedBufferInfo
 from dflash_serve.grpc_support.feature_messages import (
     TRANSPORTS,
@@ -92,15 +93,18 @@ class RemoteTargetSession:
 
     async def prefill(self, prompt_ids: list[int]) -> TargetStep:
         request = target_pb2.RunSessionRequest(prefill=target_pb2.Prefill(prompt_ids=prompt_ids))
-        return await self._step(request)
+        return await self._step(request, "prefill")
 
     async def verify(self, block_ids: list[int]) -> TargetStep:
         request = target_pb2.RunSessionRequest(verify=target_pb2.Verify(block_ids=block_ids))
-        return await self._step(request)
+        return await self._step(request, "verify")
 
-    async def _step(self, request) -> TargetStep:
+    async def _step(self, request, kind: str) -> TargetStep:
+        step_trace.mark(f"gateway.{kind}.send")
         await self.call.write(request)
+        step_trace.mark(f"gateway.{kind}.sent")
         result = await read_event(self.call, "step")
+        step_trace.mark(f"gateway.{kind}.received")
         features = None
         if result.HasField("features"):
             ref = result.features

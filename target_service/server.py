@@ -8,6 +8,7 @@ from dataclasses import asdict
 import grpc
 
 from dflash_protos import target_pb2, target_pb2_grpc
+from dflash_serve import step_trace
 from dflash_serve.errors import DflashError, InvalidRequestError
 from dflash_serve.grpc_support.errors import abort_with
 from dflash_serve.grpc_support.feature_messages import (
@@ -68,7 +69,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                 if kind == "prefill":
                     step = await session.prefill(list(message.prefill.prompt_ids))
                 elif kind == "verify":
+                    step_trace.mark("target.received")
                     step = await session.verify(list(message.verify.block_ids))
+                    step_trace.mark("target.result")
                 else:
                     raise InvalidRequestError(
                         "empty RunSessionRequest: set open, prefill or verify"
@@ -104,6 +107,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         )
         if features is not None:
             result.features.CopyFrom(feature_ref_message(features))
+        step_trace.mark("target.respond")
         yield target_pb2.RunSessionResponse(step=result)
         if features is not None:
             for chunk in chunk_messages(features):

@@ -1,0 +1,186 @@
+"""Where a speculative step's time goes between the forwards: one timeline across the gateway
+loop (this process), the gRPC transport, both servicers, both batchers and both engines.
+
+Starts the two services with step tracing on (`dflash_serve.step_trace`), runs greedy requests
+with an imposed acceptance τ for a while, merges the three processes' timestamps and prints,
+for each consecutive pair of events of a step (gateway sends the draft … gateway receives the
+verify), the median time between them, plus the engines' own time. What is not engine time
+is the orchestration the suite's `overhead` column reports. Results go to a JSON file with
+the machine, date and command.
+
+    python -m bench.trace_step [--smoke] [--seconds 20] [--tau 6] [--layout bf16]
+
+--smoke: tiny random models (runs on a CPU); otherwise the 4B-shaped random pair on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench import measure_e2e
+from bench.suite import SMOKE_DRAFTER, SMOKE_TARGET
+from bench.timing import run_facts
+from dflash_serve import step_trace
+from dflash_serve.checkpoint.synthetic import (
+    DFLASH_4B,
+    LAYOUTS,
+    QWEN35_4B_TEXT,
+    write_drafter,
+    write_target,
+)
+
+# One step, in the order it happens; the engines' time is thread_start → thread_end.
+STEP_EVENTS = [
+    "gateway.draft.send",
+    "gateway.draft.sent",
+    "drafter.received",
+    "drafter.submit",
+    "drafter-engine.queued",
+    "drafter-engine.batch",
+    "drafter-engine.thread_start",
+    "drafter-engine.thread_end",
+    "drafter-engine.resumed",
+    "drafter-engine.resolved",
+    "drafter.result",
+    "gateway.draft.received",
+    "gateway.verify.send",
+    "gateway.verify.sent",
+    "target.received",
+    "target-engine.queued",
+    "target-engine.batch",
+    "target-engine.thread_start",
+    "target-engine.thread_end",
+    "target-engine.resumed",
+    "target-engine.resolved",
+    "target.result",
+    "target.respond",
+    "gateway.verify.received",
+]
+ENGINE_SPANS = {
+    "drafter-engine.thread_start → drafter-engine.thread_end",
+    "target-engine.thread_start → target-engine.thread_end",
+}
+DEFAULT_OUT = Path(__file__).parent / "results"
+
+
+def read_timeline(prefix: str) -> list[tuple[int, str]]:
+    events = []
+    for path in Path(prefix).parent.glob(Path(prefix).name + ".*"):
+        for line in path.read_text().splitlines():
+            name, ns = line.split()
+            events.append((int(ns), name))
+    return sorted(events)
+
+
+def step_segments(events: list[tuple[int, str]]) -> dict[str, list[float]]:
+    """Microseconds between consecutive STEP_EVENTS, per step; steps missing an event (the
+    last, or one that raced another request's) are left out."""
+    starts = [i for i, (_, name) in enumerate(events) if name == STEP_EVENTS[0]]
+    segments: dict[str, list[float]] = {}
+    for begin, end in itertools.pairwise(starts):
+        first: dict[str, int] = {}
+        for ns, name in events[begin:end]:
+            first.setdefault(name, ns)
+        if not all(name in first for name in STEP_EVENTS):
+            continue
+        for a, b in itertools.pairwise(STEP_EVENTS):
+            segments.setdefault(f"{a} → {b}", []).append((first[b] - first[a]) / 1e3)
+        step_us = (first[STEP_EVENTS[-1]] - first[STEP_EVENTS[0]]) / 1e3
+        segments.setdefault("step", []).append(step_us)
+    return segments
+
+
+async def run_requests(target_address, drafter_address, args, vocab) -> int:
+    from gateway.drafter_client import DrafterClient
+    from gateway.target_client import TargetClient
+
+    target, drafter = TargetClient(target_address), DrafterClient(drafter_address)
+    transport = "inline" if args.smoke else "cuda_ipc"
+    shared = await target.feature_buffer() if transport == "cuda_ipc" else None
+    prompt = [(i * 7919) % vocab for i in range(64)]
+    oracle = await measure_e2e.run_request(target, None, prompt, args.new_tokens)
+    began, steps = time.perf_counter(), 0
+    while time.perf_counter() - began < args.seconds:
+        result = await measure_e2e.run_request(
+            target, drafter, prompt, args.new_tokens, oracle.tokens, args.tau, vocab,
+            transport, shared,
+        )  # fmt: skip
+        steps += len(result.times.verify)
+    await target.close()
+    await drafter.close()
+    return steps
+
+
+def main() -> None:
+    from launcher.service_processes import start_service
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--tau", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--layout", default="bf16", choices=LAYOUTS)
+    parser.add_argument("--out", type=Path, default=None, help="JSON file (default: results/)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        parser.error("the 4B-shaped models need a GPU; use --smoke on a CPU")
+    workdir = Path(tempfile.mkdtemp(prefix="dflash-trace-"))
+    target_config = SMOKE_TARGET if args.smoke else QWEN35_4B_TEXT
+    drafter_config = SMOKE_DRAFTER if args.smoke else DFLASH_4B
+    target_dir = write_target(workdir / "t", target_config, args.layout, device=device)
+    drafter_dir = write_drafter(workdir / "d", drafter_config, device=device)
+    prefix = str(workdir / "trace")
+    step_trace.enable(prefix)
+    common = ["--device", device, "--max-sessions", "4", "--max-context-tokens", "2048"]
+    target = start_service(
+        ["target", "--model", str(target_dir), "--drafter-model", str(drafter_dir), *common]
+    )
+    drafter = start_service(
+        ["drafter", "--model", str(drafter_dir), "--target-model", str(target_dir), *common]
+    )
+    try:
+        vocab = target_config["vocab_size"]
+        steps = asyncio.run(run_requests(target.address, drafter.address, args, vocab))
+    finally:
+        target.stop()
+        drafter.stop()
+    segments = step_segments(read_timeline(prefix))
+    medians = {name: round(statistics.median(values), 1) for name, values in segments.items()}
+    engine_us = sum(medians[name] for name in ENGINE_SPANS)
+    results = run_facts("python -m bench.trace_step " + shlex.join(sys.argv[1:]))
+    results |= {
+        "models": "smoke" if args.smoke else f"4B-shaped random, {args.layout}",
+        "tau": args.tau,
+        "steps": steps,
+        "steps_traced": len(segments.get("step", [])),
+        "median_us": medians,
+        "engines_us": round(engine_us, 1),
+        "orchestration_us": round(medians["step"] - engine_us, 1),
+    }
+    for name, value in medians.items():
+        print(f"{value:9.1f} us  {name}")
+    print(f"step {medians['step']:.1f} us = engines {engine_us:.1f} + orchestration "
+          f"{medians['step'] - engine_us:.1f} (medians)")  # fmt: skip
+    out = args.out
+    if out is None:
+        machine = results["gpu"].replace(" ", "-").lower()
+        out = DEFAULT_OUT / f"trace-step-{results['date'].split()[0]}-{machine}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
