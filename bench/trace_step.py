@@ -4,9 +4,10 @@ loop (this process), the gRPC transport, both servicers, both batchers and both 
 Starts the two services with step tracing on (`dflash_serve.step_trace`), runs greedy requests
 with an imposed acceptance τ for a while, merges the three processes' timestamps and prints,
 for each consecutive pair of events of a step (gateway sends the draft … gateway receives the
-verify), the median time between them, plus the engines' own time. What is not engine time
-is the orchestration the suite's `overhead` column reports. Results go to a JSON file with
-the machine, date and command.
+verify), the median time between them; and per step its engines' time and the rest, the
+orchestration the suite's `overhead` column reports (medians over steps). Inline batches
+(the services' GPU fast path) mark their engine span on the event loop's thread. Results go
+to a JSON file with the machine, date and command.
 
     python -m bench.trace_step [--smoke] [--seconds 20] [--tau 6] [--layout bf16]
 
@@ -67,10 +68,10 @@ STEP_EVENTS = [
     "target.respond",
     "gateway.verify.received",
 ]
-ENGINE_SPANS = {
+ENGINE_SPANS = (
     "drafter-engine.thread_start → drafter-engine.thread_end",
     "target-engine.thread_start → target-engine.thread_end",
-}
+)
 DEFAULT_OUT = Path(__file__).parent / "results"
 
 
@@ -84,8 +85,9 @@ def read_timeline(prefix: str) -> list[tuple[int, str]]:
 
 
 def step_segments(events: list[tuple[int, str]]) -> dict[str, list[float]]:
-    """Microseconds between consecutive STEP_EVENTS, per step; steps missing an event (the
-    last, or one that raced another request's) are left out."""
+    """Microseconds between consecutive STEP_EVENTS, per step, and per step its whole time,
+    its engines' time and the rest (orchestration); steps missing an event (the last, or
+    one that raced another request's) are left out."""
     starts = [i for i, (_, name) in enumerate(events) if name == STEP_EVENTS[0]]
     segments: dict[str, list[float]] = {}
     for begin, end in itertools.pairwise(starts):
@@ -97,7 +99,10 @@ def step_segments(events: list[tuple[int, str]]) -> dict[str, list[float]]:
         for a, b in itertools.pairwise(STEP_EVENTS):
             segments.setdefault(f"{a} → {b}", []).append((first[b] - first[a]) / 1e3)
         step_us = (first[STEP_EVENTS[-1]] - first[STEP_EVENTS[0]]) / 1e3
+        engines_us = sum(segments[span][-1] for span in ENGINE_SPANS)
         segments.setdefault("step", []).append(step_us)
+        segments.setdefault("engines", []).append(engines_us)
+        segments.setdefault("orchestration", []).append(step_us - engines_us)
     return segments
 
 
@@ -158,7 +163,6 @@ def main() -> None:
         drafter.stop()
     segments = step_segments(read_timeline(prefix))
     medians = {name: round(statistics.median(values), 1) for name, values in segments.items()}
-    engine_us = sum(medians[name] for name in ENGINE_SPANS)
     results = run_facts("python -m bench.trace_step " + shlex.join(sys.argv[1:]))
     results |= {
         "models": "smoke" if args.smoke else f"4B-shaped random, {args.layout}",
@@ -166,13 +170,9 @@ def main() -> None:
         "steps": steps,
         "steps_traced": len(segments.get("step", [])),
         "median_us": medians,
-        "engines_us": round(engine_us, 1),
-        "orchestration_us": round(medians["step"] - engine_us, 1),
     }
     for name, value in medians.items():
         print(f"{value:9.1f} us  {name}")
-    print(f"step {medians['step']:.1f} us = engines {engine_us:.1f} + orchestration "
-          f"{medians['step'] - engine_us:.1f} (medians)")  # fmt: skip
     out = args.out
     if out is None:
         machine = results["gpu"].replace(" ", "-").lower()

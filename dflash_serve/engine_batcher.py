@@ -25,8 +25,10 @@ def engine_batcher(
     max_batch_size: int,
     max_wait_us: int,
     engine_threads: int | None = None,
+    inline_batches: bool = False,
 ) -> DynamicBatcher:
     """engine_threads: torch intra-op threads of the engine thread (None: torch's default).
+    inline_batches: batches may run on the event loop (short GPU forwards; see batching.py).
     Requests carry the `slot` of their session."""
     setup = None if engine_threads is None else partial(torch.set_num_threads, engine_threads)
     return DynamicBatcher(
@@ -37,4 +39,5 @@ def engine_batcher(
         setup,
         lambda: slots.num_active,
         session_of=lambda request: request.slot,
+        inline_batches=inline_batches,
     )

@@ -37,7 +37,11 @@ class DrafterRuntime:
                 model, service.max_sessions, service.max_context_tokens, graph_batch_sizes
             )
         self.drafter = InProcessDrafter(
-            self.engine, service.max_batch_size, service.wait_us("drafter"), service.engine_threads
+            self.engine,
+            service.max_batch_size,
+            service.wait_us("drafter"),
+            service.engine_threads,
+            inline_batches=is_fast,
         )
         dflash = model.config
         self.info = DrafterInfo(

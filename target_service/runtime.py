@@ -45,7 +45,11 @@ class TargetRuntime:
                 graph_batch_sizes=graph_batch_sizes,
             )
         self.target = InProcessTarget(
-            self.engine, service.max_batch_size, service.wait_us("target"), service.engine_threads
+            self.engine,
+            service.max_batch_size,
+            service.wait_us("target"),
+            service.engine_threads,
+            inline_batches=is_fast,
         )
         model_config = model.config
         self.info = TargetInfo(

@@ -31,8 +31,10 @@ class InProcessTarget:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_wait_us: int = DEFAULT_MAX_WAIT_US["target"],
         engine_threads: int | None = None,
+        inline_batches: bool = False,
     ) -> None:
-        """engine_threads: torch threads of the engine thread (None: torch's default)."""
+        """engine_threads: torch threads of the engine thread (None: torch's default).
+        inline_batches: batches may run on the event loop (the GPU fast path's short forwards)."""
         self.engine = engine
         self.batcher = engine_batcher(
             partial(verify_and_commit, engine),
@@ -41,6 +43,7 @@ class InProcessTarget:
             max_batch_size,
             max_wait_us,
             engine_threads,
+            inline_batches,
         )
 
     async def open(self, sampling: SamplingParams) -> TargetSequence:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -191,3 +192,57 @@ def test_a_batch_with_the_wrong_number_of_results_fails_its_requests():
         asyncio.run(go())
     finally:
         batcher.close()
+
+
+def test_inline_batches_run_on_the_event_loop_while_the_thread_is_idle():
+    batcher = DynamicBatcher(
+        lambda requests: [threading.current_thread().name for _ in requests],
+        4, 0, "inline-probe", inline_batches=True,
+    )  # fmt: skip
+
+    async def go():
+        return [await batcher.submit(i) for i in range(3)], threading.current_thread().name
+
+    names, loop_thread = asyncio.run(go())
+    batcher.close()
+    assert names == [loop_thread] * 3
+    assert batcher.counters.num_inline_batches == 3
+
+
+@pytest.mark.parametrize("cancel_the_waiter", [False, True])
+def test_an_inline_batch_never_overlaps_work_on_the_thread(cancel_the_waiter):
+    """A batch submitted while exclusive work runs on the thread goes to the thread, after it
+    (engines are not re-entrant), even when that work's waiter was cancelled; once the thread
+    is idle again, batches run inline."""
+    spans, threads = [], []
+
+    def run(requests):
+        began = time.perf_counter()
+        threads.append(threading.current_thread().name)
+        spans.append((began, time.perf_counter()))
+        return list(requests)
+
+    def slow_exclusive():
+        began = time.perf_counter()
+        time.sleep(0.3)
+        spans.append((began, time.perf_counter()))
+
+    batcher = DynamicBatcher(run, 4, 0, "overlap-probe", inline_batches=True)
+
+    async def go():
+        exclusive = asyncio.ensure_future(batcher.run_exclusive(slow_exclusive))
+        await asyncio.sleep(0.05)  # the slow work is running on the thread
+        if cancel_the_waiter:
+            exclusive.cancel()
+        first = await batcher.submit("during")
+        await asyncio.sleep(0.4)  # the slow work has finished
+        second = await batcher.submit("after")
+        return first, second, threading.current_thread().name
+
+    first, second, loop_thread = asyncio.run(go())
+    batcher.close()
+    assert (first, second) == ("during", "after")
+    exclusive_span, during_span = spans[0], spans[1]
+    assert during_span[0] >= exclusive_span[1]  # after the exclusive work, not during it
+    assert threads[0] != loop_thread and threads[1] == loop_thread
+    assert batcher.counters.num_inline_batches == 1
