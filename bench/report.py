@@ -73,6 +73,9 @@ def markdown(r: dict) -> str:
             "Throughput at τ = 6: "
             + ", ".join(f"{n} streams {c['tok_s']:.1f} tok/s" for n, c in concurrency.items()),
         ]
+        for n, c in concurrency.items():
+            if "batching" in c:
+                lines.append(f"- {n} streams, batching: {json.dumps(c['batching'])}")
     lines += [
         "",
         f"State bytes per sequence: {json.dumps(r.get('state_bytes_per_seq', {}))}",

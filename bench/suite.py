@@ -213,11 +213,17 @@ class Suite:
         short = prompt[:128]
         oracle = await run(target, None, short, 64)
         for count in self.concurrency:
+            before = await target.stats(), await drafter.stats()
             tok_s = await measure_e2e.concurrent_throughput(
                 target, drafter, short, oracle.tokens, 6, vocab, count, 64, self.transport, shared
             )
-            self.results["concurrency"][str(count)] = {"tok_s": tok_s}
-            progress(f"  concurrency {count}: {tok_s:.1f} tok/s")
+            after = await target.stats(), await drafter.stats()
+            batching = {
+                "target": batching_during(before[0], after[0], "verify"),
+                "drafter": batching_during(before[1], after[1], "draft"),
+            }
+            self.results["concurrency"][str(count)] = {"tok_s": tok_s, "batching": batching}
+            progress(f"  concurrency {count}: {tok_s:.1f} tok/s, batching {batching}")
         self.results["http"] = await self._http_layer(target, target_address, prompt)
         await target.close()
         await drafter.close()
@@ -322,6 +328,21 @@ class LocalDrafter:
 
     async def open(self, transport="inline", shared=None, timeout_s=None):
         return await self.inner.open()
+
+
+def batching_during(before: dict, after: dict, step: str) -> dict:
+    """A service's batching between two GetStats answers: batches, their mean size, how long
+    each waited for companions on average, and how many ran on the event loop."""
+    batches = after[f"num_{step}_batches"] - before[f"num_{step}_batches"]
+    steps = after[f"num_{step}_steps"] - before[f"num_{step}_steps"]
+    waited_us = after[f"{step}_wait_us"] - before[f"{step}_wait_us"]
+    inline = after[f"num_inline_{step}_batches"] - before[f"num_inline_{step}_batches"]
+    return {
+        "batches": batches,
+        "mean_batch_size": round(steps / batches, 2) if batches else 0.0,
+        "mean_wait_ms": round(waited_us / batches / 1e3, 3) if batches else 0.0,
+        "inline_batches": inline,
+    }
 
 
 def breakdown(times: measure_e2e.StepTimes) -> dict:

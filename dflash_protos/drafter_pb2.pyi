@@ -40,16 +40,20 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_active_sessions", "num_draft_batches", "num_draft_steps", "max_draft_batch_size")
+    __slots__ = ("num_active_sessions", "num_draft_batches", "num_draft_steps", "max_draft_batch_size", "draft_wait_us", "num_inline_draft_batches")
     NUM_ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    NUM_INLINE_DRAFT_BATCHES_FIELD_NUMBER: _ClassVar[int]
     num_active_sessions: int
     num_draft_batches: int
     num_draft_steps: int
     max_draft_batch_size: int
-    def __init__(self, num_active_sessions: _Optional[int] = ..., num_draft_batches: _Optional[int] = ..., num_draft_steps: _Optional[int] = ..., max_draft_batch_size: _Optional[int] = ...) -> None: ...
+    draft_wait_us: int
+    num_inline_draft_batches: int
+    def __init__(self, num_active_sessions: _Optional[int] = ..., num_draft_batches: _Optional[int] = ..., num_draft_steps: _Optional[int] = ..., max_draft_batch_size: _Optional[int] = ..., draft_wait_us: _Optional[int] = ..., num_inline_draft_batches: _Optional[int] = ...) -> None: ...
 
 class OpenSession(_message.Message):
     __slots__ = ("feature_transport", "shared_buffer")

@@ -38,16 +38,20 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_active_sessions", "num_verify_batches", "num_verify_steps", "max_verify_batch_size")
+    __slots__ = ("num_active_sessions", "num_verify_batches", "num_verify_steps", "max_verify_batch_size", "verify_wait_us", "num_inline_verify_batches")
     NUM_ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFY_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_VERIFY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    NUM_INLINE_VERIFY_BATCHES_FIELD_NUMBER: _ClassVar[int]
     num_active_sessions: int
     num_verify_batches: int
     num_verify_steps: int
     max_verify_batch_size: int
-    def __init__(self, num_active_sessions: _Optional[int] = ..., num_verify_batches: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., max_verify_batch_size: _Optional[int] = ...) -> None: ...
+    verify_wait_us: int
+    num_inline_verify_batches: int
+    def __init__(self, num_active_sessions: _Optional[int] = ..., num_verify_batches: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., max_verify_batch_size: _Optional[int] = ..., verify_wait_us: _Optional[int] = ..., num_inline_verify_batches: _Optional[int] = ...) -> None: ...
 
 class GetFeatureBufferRequest(_message.Message):
     __slots__ = ()

@@ -42,6 +42,7 @@ class BatchCounters:
     num_requests: int = 0
     max_batch_size_seen: int = 0
     num_inline_batches: int = 0  # run on the event loop (the thread was idle)
+    total_wait_us: int = 0  # time batches waited for companions, in all
 
 
 class DynamicBatcher(Generic[Request, Result]):
@@ -113,7 +114,10 @@ class DynamicBatcher(Generic[Request, Result]):
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 while self._pending:
+                    began = asyncio.get_running_loop().time()
                     await self._gather_companions()
+                    waited_s = asyncio.get_running_loop().time() - began
+                    self.counters.total_wait_us += round(waited_s * 1e6)
                     batch = self._pending[: self.max_batch_size]
                     del self._pending[: len(batch)]
                     await self._run(batch)

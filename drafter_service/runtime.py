@@ -83,6 +83,8 @@ class DrafterRuntime:
             "num_draft_batches": counters.num_batches,
             "num_draft_steps": counters.num_requests,
             "max_draft_batch_size": counters.max_batch_size_seen,
+            "draft_wait_us": counters.total_wait_us,
+            "num_inline_draft_batches": counters.num_inline_batches,
         }
 
     def close(self) -> None:

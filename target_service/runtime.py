@@ -95,6 +95,8 @@ class TargetRuntime:
             "num_verify_batches": counters.num_batches,
             "num_verify_steps": counters.num_requests,
             "max_verify_batch_size": counters.max_batch_size_seen,
+            "verify_wait_us": counters.total_wait_us,
+            "num_inline_verify_batches": counters.num_inline_batches,
         }
 
     def close(self) -> None:

@@ -79,8 +79,18 @@ def recording_batcher(batches, num_possible, **options):
 
 def test_a_lone_session_does_not_wait_for_companions():
     batches = []
-    run_submissions(recording_batcher(batches, lambda: 1), [(0, "only")])
+    batcher = recording_batcher(batches, lambda: 1)
+    run_submissions(batcher, [(0, "only")])
     assert batches == [["only"]]
+    assert batcher.counters.total_wait_us < 100_000
+
+
+def test_the_time_batches_wait_for_companions_is_counted():
+    batches = []
+    batcher = recording_batcher(batches, lambda: 2)
+    run_submissions(batcher, [(0, "a"), (0.2, "b")])
+    assert batches == [["a", "b"]]
+    assert 150_000 <= batcher.counters.total_wait_us <= MAX_WAIT_US
 
 
 def test_a_request_waits_for_the_other_open_sessions_and_no_longer():

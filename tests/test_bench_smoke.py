@@ -49,4 +49,9 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
     assert results["spec_equals_ar"]["batch1"]["equal"]
     assert results["spec_equals_ar"]["batch8"]["equal"]
     assert {"gateway_tok_s", "direct_tok_s", "http_overhead_ms_per_token"} <= set(results["http"])
+    for count, entry in results["concurrency"].items():
+        for service in ("target", "drafter"):
+            batching = entry["batching"][service]
+            assert batching["batches"] > 0 and batching["inline_batches"] == 0  # CPU path
+            assert 1 <= batching["mean_batch_size"] <= int(count), (count, batching)
     assert (tmp_path / "latest.md").read_text().startswith("# Benchmark suite")

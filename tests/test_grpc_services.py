@@ -135,6 +135,10 @@ def test_sixteen_concurrent_sessions_get_their_solo_output(services, reference):
         assert tokens == reference(prompt, sampling)
     assert target_stats["max_verify_batch_size"] > 1, target_stats
     assert drafter_stats["max_draft_batch_size"] > 1, drafter_stats
+    assert target_stats["verify_wait_us"] > 0 and drafter_stats["draft_wait_us"] >= 0
+    # On the CPU path every batch runs on the engine thread.
+    assert target_stats["num_inline_verify_batches"] == 0
+    assert drafter_stats["num_inline_draft_batches"] == 0
     assert target_stats["num_active_sessions"] == 0
     assert drafter_stats["num_active_sessions"] == 0
 
