@@ -109,15 +109,15 @@ class DynamicBatcher(Generic[Request, Result]):
             self._wakeup.set()
 
     async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 while self._pending:
-                    began = asyncio.get_running_loop().time()
+                    began = loop.time()
                     await self._gather_companions()
-                    waited_s = asyncio.get_running_loop().time() - began
-                    self.counters.total_wait_us += round(waited_s * 1e6)
+                    self.counters.total_wait_us += round((loop.time() - began) * 1e6)
                     batch = self._pending[: self.max_batch_size]
                     del self._pending[: len(batch)]
                     await self._run(batch)
@@ -188,9 +188,11 @@ class DynamicBatcher(Generic[Request, Result]):
         run_batch = self._traced_run_batch if step_trace.is_enabled() else self._run_batch
         step_trace.mark(f"{self._trace_name}.batch")
         try:
-            if self._inline_batches and self._thread_work == 0:
+            is_inline = self._inline_batches and self._thread_work == 0
+            if is_inline:
                 await asyncio.sleep(0)  # the previous batch's waiters send their results first
-            if self._inline_batches and self._thread_work == 0:
+                is_inline = self._thread_work == 0  # and may have given the thread work
+            if is_inline:
                 self.counters.num_inline_batches += 1
                 results = run_batch(requests)
             else:

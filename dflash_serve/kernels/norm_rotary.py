@@ -21,7 +21,7 @@ from triton.language.extra import libdevice
 
 from dflash_serve.kernels import FP_FUSION, is_interpreting
 from dflash_serve.kernels.jit_math import round_to
-from dflash_serve.kernels.rms_norm import _check_input, _num_warps, _scaled_norm
+from dflash_serve.kernels.rms_norm import _check_input, _normed_row, _num_warps, _rows
 from dflash_serve.layers import norm_math
 from dflash_serve.layers.rotary import apply_rotary
 
@@ -41,12 +41,10 @@ def _norm_rotary_kernel(
     INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    token = row // num_heads
-    head = row % num_heads
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    x = tl.load(x_ptr + token * x_stride_token + head * x_stride_head + cols, mask=mask, other=0.0)
-    y = _scaled_norm(x.to(tl.float32), w_ptr, cols, mask, D, eps, ZERO_CENTRED, INTERPRETED)
+    token, _head, cols, mask, y = _normed_row(
+        x_ptr, w_ptr, row, x_stride_token, x_stride_head, num_heads, eps,
+        D, BLOCK, ZERO_CENTRED, INTERPRETED,
+    )  # fmt: skip
     dtype = out_ptr.dtype.element_ty
     normed = round_to(y, dtype, INTERPRETED)
     out_row = out_ptr + row * D
@@ -104,9 +102,7 @@ def norm_rotary(
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    tokens = x.reshape(-1, num_heads, dim)  # a view for the layouts used; else a copy
+    tokens = _rows(x)  # [tokens, heads, D]: a view for the layouts used, else a copy
     cos_rows = cos.reshape(-1, rotary_dim).contiguous()
     sin_rows = sin.reshape(-1, rotary_dim).contiguous()
     block = triton.next_power_of_2(dim)

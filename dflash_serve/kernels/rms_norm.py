@@ -48,14 +48,29 @@ def _rms_norm_kernel(
     INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    row_a, row_b, cols, mask, y = _normed_row(
+        x_ptr, w_ptr, row, x_stride_a, x_stride_b, num_rows_b, eps,
+        D, BLOCK, ZERO_CENTRED, INTERPRETED,
+    )  # fmt: skip
+    out_ptrs = out_ptr + row_a * out_stride_a + row_b * out_stride_b + cols
+    tl.store(out_ptrs, round_to(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _normed_row(
+    x_ptr, w_ptr, row, x_stride_a, x_stride_b, num_rows_b, eps,
+    D: tl.constexpr, BLOCK: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """Row `row` of x read as [A, B, D] (row = a·B + b), normalised in fp32 (not rounded):
+    the norm of `rms_norm` and of `norm_rotary`. Returns (a, b, cols, mask, normalised)."""
     row_a = row // num_rows_b
     row_b = row % num_rows_b
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row_a * x_stride_a + row_b * x_stride_b + cols, mask=mask, other=0.0)
     y = _scaled_norm(x.to(tl.float32), w_ptr, cols, mask, D, eps, ZERO_CENTRED, INTERPRETED)
-    out_ptrs = out_ptr + row_a * out_stride_a + row_b * out_stride_b + cols
-    tl.store(out_ptrs, round_to(y, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    return row_a, row_b, cols, mask, y
 
 
 @triton.jit

@@ -106,6 +106,16 @@ class Int4Linear(RowIndependentLinear):
         return self.repacked
 
 
+def stack_dense_weights(linears: list[RowIndependentLinear]) -> torch.Tensor:
+    """The linears' dense weights stacked along N, for one matmul over all of them; each
+    linear's weight becomes a view of its rows (no second copy)."""
+    stacked = torch.cat([linear.weight for linear in linears])
+    sizes = [linear.out_features for linear in linears]
+    for linear, part in zip(linears, stacked.split(sizes), strict=True):
+        linear.weight = nn.Parameter(part, requires_grad=False)
+    return stacked
+
+
 class RowKernelGroup:
     """Linears over one input as few `row_matmul` calls: those of one kind (dense, or 4-bit
     of one group size) are computed as one matmul over their weights stacked along N.
@@ -133,9 +143,7 @@ class RowKernelGroup:
             if isinstance(members[0].kernel_weight(), RepackedInt4):
                 stacked = concat_repacked([linear.kernel_weight() for linear in members])
             else:
-                stacked = torch.cat([linear.weight for linear in members])
-                for linear, part in zip(members, stacked.split(sizes), strict=True):
-                    linear.weight = nn.Parameter(part, requires_grad=False)
+                stacked = stack_dense_weights(members)
             self.calls.append((indices, stacked, sizes))
 
     def accepts(self, x: torch.Tensor) -> bool:

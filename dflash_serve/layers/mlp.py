@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_serve.layers.activations import silu
-from dflash_serve.layers.linear import Linear, RowKernelGroup
+from dflash_serve.layers.linear import Linear, RowKernelGroup, stack_dense_weights
 
 
 class SwiGLU(nn.Module):
@@ -36,11 +36,7 @@ class SwiGLU(nn.Module):
         independent; the dense linears become views of the stacked weight (no second copy)."""
         from dflash_serve.kernels.silu_mul import silu_mul
 
-        stacked = torch.cat((self.gate_proj.weight, self.up_proj.weight))
-        gate_weight, up_weight = stacked.split(self.gate_proj.out_features)
-        self.gate_proj.weight = nn.Parameter(gate_weight, requires_grad=False)
-        self.up_proj.weight = nn.Parameter(up_weight, requires_grad=False)
-        self.gate_up_weight = stacked
+        self.gate_up_weight = stack_dense_weights([self.gate_proj, self.up_proj])
         self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
