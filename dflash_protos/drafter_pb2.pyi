@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "target_model_name", "tap_layer_ids", "block_size", "max_drafts", "mask_token_id", "hidden_size", "device", "max_sessions", "max_context_tokens")
+    __slots__ = ("model_name", "target_model_name", "tap_layer_ids", "block_size", "max_drafts", "mask_token_id", "hidden_size", "device", "max_sessions", "max_context_tokens", "session_socket")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TAP_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class GetInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     target_model_name: str
     tap_layer_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -33,7 +34,8 @@ class GetInfoResponse(_message.Message):
     device: str
     max_sessions: int
     max_context_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., target_model_name: _Optional[str] = ..., tap_layer_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., device: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_context_tokens: _Optional[int] = ...) -> None: ...
+    session_socket: str
+    def __init__(self, model_name: _Optional[str] = ..., target_model_name: _Optional[str] = ..., tap_layer_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., device: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., session_socket: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflash_serve.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+MAX_SOCKET_PATH_BYTES = 107
 # How long a step waits at most for other sessions' requests; the wait ends as soon as every
 # open, recently active session has sent one, so sessions in step wait nothing. The target
 # waits long enough for sessions in the drafter's step to come back (a draft step plus the
@@ -34,6 +36,10 @@ class ServiceSettings:
     # On a GPU: row-independent Triton kernels and CUDA graphs for verify/decode (needs triton).
     gpu_fast_path: bool = True
     gpu_memory_fraction: float | None = None  # cap for this process on a shared GPU
+    # Sessions also on a local Unix socket (protos/session_socket.proto), which a gateway on
+    # this host uses instead of gRPC: "auto" (a fresh path under the temp directory), a path,
+    # or "off".
+    session_socket: str = "auto"
 
     def uses_gpu_fast_path(self) -> bool:
         """On a GPU unless turned off; ConfigError when it is wanted but triton is missing."""
@@ -57,6 +63,14 @@ class ServiceSettings:
                 self.gpu_memory_fraction, torch.device(self.device)
             )
 
+    def session_socket_path(self, service: str) -> str:
+        """Where to serve the session socket: the path given, or a fresh one for "auto"."""
+        if self.session_socket != "auto":
+            return self.session_socket
+        import tempfile
+
+        return str(Path(tempfile.mkdtemp(prefix=f"dflash-{service}-")) / "session.sock")
+
     def wait_us(self, service: str) -> int:
         """max_wait_us, or the service's default."""
         return DEFAULT_MAX_WAIT_US[service] if self.max_wait_us is None else self.max_wait_us
@@ -77,6 +91,9 @@ class ServiceSettings:
             "engine_threads": self.engine_threads >= 1,
             "grace_period_s": self.grace_period_s >= 0,
             "dtype": self.dtype in DTYPE_CHOICES,
+            # a Unix socket's path holds at most 107 bytes
+            "session_socket": bool(self.session_socket)
+            and len(self.session_socket.encode()) <= MAX_SOCKET_PATH_BYTES,
             "gpu_memory_fraction": self.gpu_memory_fraction is None
             or 0 < self.gpu_memory_fraction <= 1,
         }

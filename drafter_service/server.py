@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 
 from dflash_protos import drafter_pb2, drafter_pb2_grpc
 from dflash_serve import step_trace
-from dflash_serve.errors import DflashError, InvalidRequestError
-from dflash_serve.grpc_support.errors import abort_with
+from dflash_serve.errors import InvalidRequestError
 from dflash_serve.grpc_support.feature_messages import (
     features_from_message,
     shared_buffer_from_message,
     transport_name,
 )
 from dflash_serve.grpc_support.model_servicer import ModelServicer, serve_model
-from dflash_serve.grpc_support.server import close_when_done
 from drafter_service.config import DrafterServiceConfig
 from drafter_service.runtime import DrafterRuntime
 
@@ -28,14 +25,16 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
     kind = "drafter"
 
     async def GetInfo(self, request, context):
-        return await self.answer(context, drafter_pb2.GetInfoResponse, lambda r: asdict(r.info))
+        return await self.answer(context, drafter_pb2.GetInfoResponse, self.info_fields)
 
     async def GetStats(self, request, context):
         return await self.answer(context, drafter_pb2.GetStatsResponse, lambda r: r.stats())
 
-    async def RunSession(self, request_iterator, context):
+    async def session_responses(self, requests, on_open):
+        """One session stream, whatever carries it: the responses to `requests`; raises
+        DflashError for a request it refuses (after closing the session)."""
         session = None
-        messages = aiter(request_iterator)
+        messages = aiter(requests)
         try:
             async for message in messages:
                 kind = message.WhichOneof("step")
@@ -43,7 +42,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                     if session is not None:
                         raise InvalidRequestError("open was sent twice on one session stream")
                     session = await self._open(message.open)
-                    close_when_done(context, session)
+                    on_open(session)
                     yield drafter_pb2.RunSessionResponse(
                         opened=drafter_pb2.SessionOpened(slot=session.slot)
                     )
@@ -65,8 +64,6 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                     )
                 else:
                     raise InvalidRequestError(f"unexpected {kind or 'empty message'} here")
-        except DflashError as error:
-            await abort_with(context, error)
         finally:
             if session is not None:
                 await session.close()
@@ -98,6 +95,7 @@ async def serve(config: DrafterServiceConfig) -> None:
         DrafterServicer(),
         SERVICE_NAME,
         drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
+        drafter_pb2.RunSessionRequest,
         config.service,
         lambda: DrafterRuntime(config),
         config.model,

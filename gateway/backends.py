@@ -45,8 +45,13 @@ def retrying(deadline_s: float) -> AsyncRetrying:
 class Backends:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.target = TargetClient(config.target_address)
-        self.drafter = DrafterClient(config.drafter_address) if config.drafter_address else None
+        transport = config.session_transport
+        self.target = TargetClient(config.target_address, session_transport=transport)
+        self.drafter = (
+            DrafterClient(config.drafter_address, session_transport=transport)
+            if config.drafter_address
+            else None
+        )
         self.target_info: TargetInfo | None = None
         self.drafter_info: DrafterInfo | None = None
         self.shared_buffer: SharedBufferInfo | None = None
@@ -60,7 +65,10 @@ class Backends:
             with attempt:
                 await wait_until_serving(self.target.channel)
                 self.target_info = await self.target.info()
-        logger.info("target ready: %s on %s", self.target_info.model_name, self.target_info.device)
+        info, sessions = self.target_info, self.target.sessions.transport
+        logger.info(
+            "target ready: %s on %s, sessions on %s", info.model_name, info.device, sessions
+        )
         if self.drafter is not None:
             try:
                 await self._connect_drafter(self.config.connect_timeout_s)
@@ -84,7 +92,12 @@ class Backends:
         self.drafter_info = info
         self.feature_transport = await self._choose_transport()
         self.is_drafter_usable = True
-        logger.info("drafter ready: %s, features %s", info.model_name, self.feature_transport)
+        logger.info(
+            "drafter ready: %s, features %s, sessions on %s",
+            info.model_name,
+            self.feature_transport,
+            self.drafter.sessions.transport,
+        )
 
     async def _choose_transport(self) -> str:
         wanted = self.config.feature_transport

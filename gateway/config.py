@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dflash_serve.errors import ConfigError
 
 FEATURE_TRANSPORTS = ("auto", "inline", "cuda_ipc")
+SESSION_TRANSPORTS = ("auto", "grpc")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 120.0
     feature_transport: str = "auto"
+    # "auto": sessions on a service's local session socket when it offers one on this host
+    # (cheaper per step than gRPC), else gRPC; "grpc": always gRPC.
+    session_transport: str = "auto"
 
     def validate(self) -> None:
         checks = {
@@ -34,6 +38,7 @@ class GatewayConfig:
             "request_timeout_s": self.request_timeout_s > 0,
             "connect_timeout_s": self.connect_timeout_s > 0,
             "feature_transport": self.feature_transport in FEATURE_TRANSPORTS,
+            "session_transport": self.session_transport in SESSION_TRANSPORTS,
         }
         bad = {name: getattr(self, name) for name, ok in checks.items() if not ok}
         if bad:

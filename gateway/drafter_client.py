@@ -15,18 +15,27 @@ from dflash_serve.grpc_support.feature_messages import (
 )
 from dflash_serve.grpc_support.server import CHANNEL_OPTIONS
 from dflash_serve.service_info import DrafterInfo
+from gateway.session_calls import SessionCalls
 from gateway.target_client import read_event
 
 
 class DrafterClient:
-    def __init__(self, address: str, rpc_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, address: str, rpc_timeout_s: float = 10.0, session_transport: str = "auto"
+    ) -> None:
+        """`session_transport`: "auto" opens sessions on the service's local session socket
+        once `info()` has found one on this host; "grpc" always on gRPC."""
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
+        self.sessions = SessionCalls(
+            self.stub.RunSession, drafter_pb2.RunSessionResponse, session_transport
+        )
 
     async def info(self) -> DrafterInfo:
         r = await self.stub.GetInfo(drafter_pb2.GetInfoRequest(), timeout=self.rpc_timeout_s)
+        self.sessions.use_socket_if_local(r.session_socket)
         return DrafterInfo(
             r.model_name,
             r.target_model_name,
@@ -50,7 +59,7 @@ class DrafterClient:
         shared_buffer: SharedBufferInfo | None = None,
         timeout_s: float | None = None,
     ) -> RemoteDrafterSession:
-        call = self.stub.RunSession(timeout=timeout_s)
+        call = await self.sessions.open(timeout_s)
         open_message = drafter_pb2.OpenSession(feature_transport=TRANSPORTS[transport])
         if shared_buffer is not None:
             open_message.shared_buffer.CopyFrom(shared_buffer_message(shared_buffer))

@@ -19,6 +19,7 @@ from dflash_serve.grpc_support.feature_messages import (
 from dflash_serve.grpc_support.server import CHANNEL_OPTIONS
 from dflash_serve.service_info import TargetInfo
 from dflash_serve.speculative.types import SamplingParams, TargetStep
+from gateway.session_calls import SessionCalls
 
 
 class TargetStreamEndedError(ConnectionError):
@@ -34,14 +35,22 @@ async def read_event(call, field: str):
 
 
 class TargetClient:
-    def __init__(self, address: str, rpc_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, address: str, rpc_timeout_s: float = 10.0, session_transport: str = "auto"
+    ) -> None:
+        """`session_transport`: "auto" opens sessions on the service's local session socket
+        once `info()` has found one on this host; "grpc" always on gRPC."""
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.sessions = SessionCalls(
+            self.stub.RunSession, target_pb2.RunSessionResponse, session_transport
+        )
 
     async def info(self) -> TargetInfo:
         r = await self.stub.GetInfo(target_pb2.GetInfoRequest(), timeout=self.rpc_timeout_s)
+        self.sessions.use_socket_if_local(r.session_socket)
         return TargetInfo(
             r.model_name,
             r.vocab_size,
@@ -67,7 +76,7 @@ class TargetClient:
         self, sampling: SamplingParams, transport: str, timeout_s: float | None = None
     ) -> RemoteTargetSession:
         """Open a session stream; `timeout_s` is the deadline of the whole request."""
-        call = self.stub.RunSession(timeout=timeout_s)
+        call = await self.sessions.open(timeout_s)
         open_message = target_pb2.OpenSession(
             sampling=target_pb2.SamplingParams(
                 temperature=sampling.temperature,

@@ -48,6 +48,12 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     parser.add_argument("--grace-period-s", type=float, default=5.0, help="drain time on SIGTERM")
     add_fast_path_flag(parser)
     parser.add_argument(
+        "--session-socket",
+        default="auto",
+        help="also serve sessions on this local Unix socket (a gateway on this host uses it "
+        "instead of gRPC): auto (a fresh path under the temp directory), a path, or off",
+    )
+    parser.add_argument(
         "--gpu-memory-fraction", type=float, help="cap of this process's share of the GPU (0..1]"
     )
 
@@ -78,6 +84,13 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--feature-transport", choices=("auto", "inline", "cuda_ipc"), default="auto"
     )
+    parser.add_argument(
+        "--session-transport",
+        choices=("auto", "grpc"),
+        default="auto",
+        help="auto: sessions on a service's local session socket when it has one on this "
+        "host, else gRPC; grpc: always gRPC",
+    )
 
 
 def gateway_config(args: argparse.Namespace, target: str, drafter: str | None, tokenizer: str):
@@ -96,6 +109,7 @@ def gateway_config(args: argparse.Namespace, target: str, drafter: str | None, t
         max_queued_requests=args.max_queued_requests,
         request_timeout_s=args.request_timeout_s,
         feature_transport=args.feature_transport,
+        session_transport=args.session_transport,
     )
     config.validate()
     return config
@@ -158,6 +172,7 @@ def service_settings(args: argparse.Namespace):
         grace_period_s=args.grace_period_s,
         gpu_fast_path=args.gpu_fast_path,
         gpu_memory_fraction=args.gpu_memory_fraction,
+        session_socket=args.session_socket,
     )
 
 

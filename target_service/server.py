@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 
 import grpc
 
@@ -18,7 +17,6 @@ from dflash_serve.grpc_support.feature_messages import (
     transport_name,
 )
 from dflash_serve.grpc_support.model_servicer import ModelServicer, serve_model
-from dflash_serve.grpc_support.server import close_when_done
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 from target_service.config import TargetServiceConfig
 from target_service.runtime import TargetRuntime
@@ -32,7 +30,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     kind = "target"
 
     async def GetInfo(self, request, context):
-        return await self.answer(context, target_pb2.GetInfoResponse, lambda r: asdict(r.info))
+        return await self.answer(context, target_pb2.GetInfoResponse, self.info_fields)
 
     async def GetStats(self, request, context):
         return await self.answer(context, target_pb2.GetStatsResponse, lambda r: r.stats())
@@ -50,16 +48,18 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             )
         return target_pb2.GetFeatureBufferResponse(buffer=shared_buffer_message(info))
 
-    async def RunSession(self, request_iterator, context):
+    async def session_responses(self, requests, on_open):
+        """One session stream, whatever carries it: the responses to `requests`; raises
+        DflashError for a request it refuses (after closing the session)."""
         session, transport = None, "none"
         try:
-            async for message in request_iterator:
+            async for message in requests:
                 kind = message.WhichOneof("step")
                 if kind == "open":
                     if session is not None:
                         raise InvalidRequestError("open was sent twice on one session stream")
                     session, transport = await self._open(message.open)
-                    close_when_done(context, session)
+                    on_open(session)
                     yield target_pb2.RunSessionResponse(
                         opened=target_pb2.SessionOpened(slot=session.slot)
                     )
@@ -78,8 +78,6 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                     )
                 for response in self._step_messages(step, session.slot, transport):
                     yield response
-        except DflashError as error:
-            await abort_with(context, error)
         finally:
             if session is not None:
                 await session.close()
@@ -120,6 +118,7 @@ async def serve(config: TargetServiceConfig) -> None:
         TargetServicer(),
         SERVICE_NAME,
         target_pb2_grpc.add_TargetServiceServicer_to_server,
+        target_pb2.RunSessionRequest,
         config.service,
         lambda: TargetRuntime(config),
         config.model,

@@ -1,8 +1,11 @@
-"""The target and drafter services as real processes, driven over gRPC (CPU, inline features)."""
+"""The target and drafter services as real processes, driven over gRPC and over their local
+session sockets (CPU, inline features): both transports give the same tokens, the same
+errors and the same session lifetimes."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import grpc
@@ -11,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from dflash_protos import target_pb2, target_pb2_grpc
+from dflash_serve.session_socket.call import SessionSocketCall
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.types import SamplingParams
 from gateway.drafter_client import DrafterClient
@@ -63,10 +67,18 @@ def reference(causal_lm_dir, dflash_dir):
     target.close()
 
 
-async def remote_generate(target_address, drafter_address, prompt, sampling, num_drafts=15):
-    target, drafter = TargetClient(target_address), DrafterClient(drafter_address)
+async def remote_generate(
+    target_address, drafter_address, prompt, sampling, num_drafts=15, transport="grpc"
+):
+    """`transport`: "grpc", or "socket" (the services' local session sockets, which the
+    clients find through GetInfo)."""
+    session_transport = "auto" if transport == "socket" else "grpc"
+    target = TargetClient(target_address, session_transport=session_transport)
+    drafter = DrafterClient(drafter_address, session_transport=session_transport)
     try:
         info = await target.info()
+        await drafter.info()
+        assert (target.sessions.transport, drafter.sessions.transport) == (transport, transport)
         target_session = await target.open(sampling, "inline", timeout_s=60)
         drafter_session = await drafter.open("inline", timeout_s=60) if drafter_address else None
         run = SpeculativeGeneration(
@@ -88,31 +100,37 @@ async def remote_generate(target_address, drafter_address, prompt, sampling, num
         await drafter.close()
 
 
+@pytest.mark.parametrize("transport", ["grpc", "socket"])
 @pytest.mark.parametrize(
     "sampling",
     [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=99)],
     ids=["greedy", "seeded"],
 )
-def test_loop_over_grpc_equals_in_process(services, reference, sampling):
+def test_loop_over_services_equals_in_process(services, reference, sampling, transport):
     target, drafter = services
     for prompt in PROMPTS:
         tokens, stats = asyncio.run(
-            remote_generate(target.address, drafter.address, prompt, sampling)
+            remote_generate(target.address, drafter.address, prompt, sampling, transport=transport)
         )
         assert tokens == reference(prompt, sampling)
         assert stats.num_drafts > 0
 
 
 def test_sixteen_concurrent_sessions_get_their_solo_output(services, reference):
+    """Half of them over gRPC, half over the session sockets, batched together."""
     target, drafter = services
     cases = [(PROMPTS[i % 3], SamplingParams(temperature=(i % 2) * 0.9, seed=i)) for i in range(16)]
+    transports = ["grpc", "socket"] * 8
 
     async def run_all():
         async with grpc.aio.insecure_channel(target.address) as channel:
             # Sessions of earlier tests are freed asynchronously after their streams end.
             assert await wait_for_active(target_pb2_grpc.TargetServiceStub(channel), 0) == 0
         results = await asyncio.gather(
-            *(remote_generate(target.address, drafter.address, p, s) for p, s in cases)
+            *(
+                remote_generate(target.address, drafter.address, p, s, transport=t)
+                for (p, s), t in zip(cases, transports, strict=True)
+            )
         )
         client_t, client_d = TargetClient(target.address), DrafterClient(drafter.address)
         stats = await client_t.stats(), await client_d.stats()
@@ -181,30 +199,47 @@ def open_message(**sampling):
     )
 
 
-def test_cancelled_stream_and_deadline_free_the_slot(services):
+async def open_call(transport: str, stub, info, timeout_s: float | None = None):
+    """A target session stream over gRPC or over the target's session socket."""
+    if transport == "grpc":
+        return stub.RunSession(timeout=timeout_s)
+    return await SessionSocketCall.connect(
+        info.session_socket, target_pb2.RunSessionResponse, timeout_s
+    )
+
+
+@pytest.mark.parametrize("transport", ["grpc", "socket"])
+def test_cancelled_stream_and_deadline_free_the_slot(services, transport):
     target, _ = services
 
     async def run():
         async with grpc.aio.insecure_channel(target.address) as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
-            call = stub.RunSession()
+            info = await stub.GetInfo(target_pb2.GetInfoRequest(), timeout=5)
+            assert await wait_for_active(stub, 0) == 0
+            call = await open_call(transport, stub, info)
             await call.write(open_message())
             await call.read()
             assert await active_sessions(stub) == 1
             call.cancel()
             assert await wait_for_active(stub, 0) == 0
-            call = stub.RunSession(timeout=0.5)
+            call = await open_call(transport, stub, info, timeout_s=0.5)
             await call.write(open_message())
             await call.read()
             await asyncio.sleep(1.0)
-            assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if transport == "grpc":
+                assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await call.read()
+                assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert await wait_for_active(stub, 0) == 0
 
     asyncio.run(run())
 
 
-async def session_error(stub, *messages) -> grpc.StatusCode:
-    call = stub.RunSession(timeout=10)
+async def session_error(open_session, *messages) -> grpc.StatusCode:
+    call = await open_session()
     try:
         for message in messages:
             await call.write(message)
@@ -216,13 +251,20 @@ async def session_error(stub, *messages) -> grpc.StatusCode:
     return grpc.StatusCode.OK, ""
 
 
-def test_malformed_requests_get_status_codes_and_the_server_stays_up(services):
+@pytest.mark.parametrize("transport", ["grpc", "socket"])
+def test_malformed_requests_get_status_codes_and_the_server_stays_up(services, transport):
     target, _ = services
     prefill = target_pb2.RunSessionRequest
 
     async def run():
         async with grpc.aio.insecure_channel(target.address) as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
+            info = await stub.GetInfo(target_pb2.GetInfoRequest(), timeout=5)
+            assert await wait_for_active(stub, 0) == 0
+
+            async def open_session():
+                return await open_call(transport, stub, info, timeout_s=30)
+
             cases = {
                 "before open": [prefill(prefill=target_pb2.Prefill(prompt_ids=[1]))],
                 "bad id": [open_message(), prefill(prefill=target_pb2.Prefill(prompt_ids=[10**6]))],
@@ -237,19 +279,21 @@ def test_malformed_requests_get_status_codes_and_the_server_stays_up(services):
                     prefill(prefill=target_pb2.Prefill(prompt_ids=[1, 2])),
                     prefill(verify=target_pb2.Verify(block_ids=list(range(17)))),
                 ],
+                "open twice": [open_message(), open_message()],
             }
             for name, messages in cases.items():
-                code, details = await session_error(stub, *messages)
+                code, details = await session_error(open_session, *messages)
                 assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, details)
                 assert details, name
             calls = []
             for _ in range(MAX_SESSIONS):
-                call = stub.RunSession(timeout=30)
+                call = await open_session()
                 await call.write(open_message())
                 await call.read()
                 calls.append(call)
-            code, details = await session_error(stub, open_message())
+            code, details = await session_error(open_session, open_message())
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+            assert "slots are in use" in details
             for call in calls:
                 call.cancel()
             assert await wait_for_active(stub, 0) == 0
@@ -259,8 +303,29 @@ def test_malformed_requests_get_status_codes_and_the_server_stays_up(services):
     asyncio.run(run())
 
 
+async def info_and_transport(address: str) -> tuple[str, str]:
+    client = TargetClient(address)
+    try:
+        info = await client.stub.GetInfo(target_pb2.GetInfoRequest(), timeout=5)
+        await client.info()
+        return info.session_socket, client.sessions.transport
+    finally:
+        await client.close()
+
+
 def test_sigterm_drains_and_exits_cleanly(causal_lm_dir):
     service = start_service(["target", "--model", str(causal_lm_dir), "--grace-period-s", "1"])
+    path, transport = asyncio.run(info_and_transport(service.address))
+    assert transport == "socket" and os.path.exists(path)
     service.process.send_signal(signal.SIGTERM)
     assert service.process.wait(timeout=20) == 0
     assert any("draining" in line for line in service.log)
+    assert not os.path.exists(path)  # the session socket is removed on the way out
+
+
+def test_without_a_session_socket_clients_use_grpc(causal_lm_dir):
+    service = start_service(["target", "--model", str(causal_lm_dir), "--session-socket", "off"])
+    try:
+        assert asyncio.run(info_and_transport(service.address)) == ("", "grpc")
+    finally:
+        service.stop()

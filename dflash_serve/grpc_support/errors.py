@@ -32,13 +32,16 @@ def status_for(error: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
-    """Log once, then end the RPC with the mapped status (raises, as context.abort does)."""
+def status_and_message(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The mapped status and the message a client sees; logged once here."""
     status = status_for(error)
     if status == grpc.StatusCode.INTERNAL:
         logger.error("internal error", exc_info=error)
-        message = f"internal error: {type(error).__name__}: {error}"
-    else:
-        logger.info("%s: %s", status.name, error)
-        message = str(error)
-    await context.abort(status, message)
+        return status, f"internal error: {type(error).__name__}: {error}"
+    logger.info("%s: %s", status.name, error)
+    return status, str(error)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    """End the RPC with the mapped status (raises, as context.abort does)."""
+    await context.abort(*status_and_message(error))

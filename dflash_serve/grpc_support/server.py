@@ -45,6 +45,11 @@ class GrpcServer:
         )
         self.port = 0
         self._stopped = asyncio.Event()
+        self._drain_callbacks: list[Callable[[], None]] = []
+
+    def on_drain(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when draining starts (before the grace period)."""
+        self._drain_callbacks.append(callback)
 
     async def start(self) -> int:
         """Bind and start (health NOT_SERVING); returns the bound port."""
@@ -74,6 +79,8 @@ class GrpcServer:
         if self._stopped.is_set():
             return
         logger.info("draining (grace %.1f s)", grace_s)
+        for callback in self._drain_callbacks:
+            callback()
         await self.set_serving(False)
         await self.server.stop(grace_s)
         self._stopped.set()

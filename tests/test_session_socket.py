@@ -1,0 +1,280 @@
+"""The local session socket's parts on their own: framing, the server around a session
+generator, the client call's gRPC-shaped errors, and how the gateway picks a transport.
+(The real services over their sockets: tests/test_grpc_services.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import grpc
+import pytest
+
+from dflash_protos import target_pb2
+from dflash_protos.session_socket_pb2 import SessionError
+from dflash_serve.errors import CapacityError, ConfigError
+from dflash_serve.grpc_support.server import MAX_MESSAGE_BYTES
+from dflash_serve.service_settings import ServiceSettings
+from dflash_serve.session_socket.call import SessionSocketCall
+from dflash_serve.session_socket.framing import (
+    ERROR,
+    REQUEST,
+    RESPONSE,
+    FrameError,
+    frame,
+    read_frame,
+)
+from dflash_serve.session_socket.server import SessionSocketServer
+from gateway.session_calls import SessionCalls
+
+Request, Response = target_pb2.RunSessionRequest, target_pb2.RunSessionResponse
+
+
+def reader_of(data: bytes, end: bool = True) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if end:
+        reader.feed_eof()
+    return reader
+
+
+def test_frames_round_trip_and_bad_frames_are_refused():
+    async def run():
+        message = Request(verify=target_pb2.Verify(block_ids=[3, 1, 4])).SerializeToString()
+        reader = reader_of(frame(REQUEST, message) + frame(RESPONSE, b""))
+        assert await read_frame(reader) == (REQUEST, message)
+        assert await read_frame(reader) == (RESPONSE, b"")
+        assert await read_frame(reader) is None  # a clean end between frames
+        with pytest.raises(asyncio.IncompleteReadError):
+            await read_frame(reader_of(frame(REQUEST, message)[:-1]))
+        with pytest.raises(asyncio.IncompleteReadError):
+            await read_frame(reader_of(b"\x03\x00"))
+        with pytest.raises(FrameError, match="kind"):
+            await read_frame(reader_of((1).to_bytes(4, "little") + b"Z" + b"x"))
+        oversized = (MAX_MESSAGE_BYTES + 1).to_bytes(4, "little") + REQUEST
+        with pytest.raises(FrameError, match="exceeds"):  # refused before reading the payload
+            await read_frame(reader_of(oversized, end=False))
+
+    asyncio.run(run())
+    with pytest.raises(FrameError):
+        frame(REQUEST, bytes(MAX_MESSAGE_BYTES + 1))
+
+
+class EchoSessions:
+    """A stand-in servicer: answers each verify with its block reversed; records closes."""
+
+    def __init__(self, fail_with: Exception | None = None) -> None:
+        self.fail_with = fail_with
+        self.closed = asyncio.Event()
+        self.opened = 0
+
+    async def session_responses(self, requests, on_open):
+        self.opened += 1
+        try:
+            async for message in requests:
+                if self.fail_with is not None:
+                    raise self.fail_with
+                ids = list(reversed(message.verify.block_ids))
+                yield Response(step=target_pb2.StepResult(token_ids=ids))
+        finally:
+            self.closed.set()
+
+
+async def serving(tmp_path, sessions: EchoSessions) -> SessionSocketServer:
+    server = SessionSocketServer(str(tmp_path / "s.sock"), Request, sessions.session_responses)
+    await server.start()
+    return server
+
+
+def verify(*ids: int):
+    return Request(verify=target_pb2.Verify(block_ids=list(ids)))
+
+
+def test_a_session_over_the_socket_and_its_end(tmp_path):
+    async def run():
+        sessions = EchoSessions()
+        server = await serving(tmp_path, sessions)
+        call = await SessionSocketCall.connect(server.path, Response, timeout_s=10)
+        for block in ([1, 2, 3], [9], list(range(16))):
+            await call.write(verify(*block))
+            assert list((await call.read()).step.token_ids) == block[::-1]
+        assert not sessions.closed.is_set()
+        call.cancel()  # the client's end closes the session on the service
+        await asyncio.wait_for(sessions.closed.wait(), 5)
+        await server.close()
+        assert not os.path.exists(server.path)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (CapacityError("all 4 target slots are in use"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_service_errors_reach_the_client_as_grpc_statuses(tmp_path, error, status):
+    async def run():
+        sessions = EchoSessions(fail_with=error)
+        server = await serving(tmp_path, sessions)
+        call = await SessionSocketCall.connect(server.path, Response)
+        await call.write(verify(1))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call.read()
+        assert raised.value.code() == status
+        assert str(error) in raised.value.details()
+        assert sessions.closed.is_set()
+        await server.close()
+
+    asyncio.run(run())
+
+
+def test_bad_frames_end_the_session_with_invalid_argument_and_the_server_goes_on(tmp_path):
+    async def run():
+        sessions = EchoSessions()
+        server = await serving(tmp_path, sessions)
+        for garbage in (
+            frame(REQUEST, b"\xff\xff\xff"),  # not a RunSessionRequest
+            frame(RESPONSE, b""),  # a client sends requests only
+            b"\x01\x00\x00\x00Zx",  # no such kind
+        ):
+            reader, writer = await asyncio.open_unix_connection(server.path)
+            writer.write(garbage)
+            kind, payload = await asyncio.wait_for(read_frame(reader), 5)
+            assert kind == ERROR
+            error = SessionError.FromString(payload)
+            assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and error.message
+            assert await read_frame(reader) is None  # then the service hangs up
+            writer.close()
+        call = await SessionSocketCall.connect(server.path, Response)
+        await call.write(verify(7, 8))
+        assert list((await call.read()).step.token_ids) == [8, 7]
+        call.cancel()
+        await server.close()
+
+    asyncio.run(run())
+
+
+def test_client_sees_deadline_broken_connection_and_end_of_stream(tmp_path):
+    async def run():
+        async def silent(reader, writer):
+            await reader.read()  # reads until the client gives up, never answers
+
+        async def half_frame(reader, writer):
+            await reader.read(5)
+            writer.write(frame(RESPONSE, b"\x08\x01")[:-1])
+            writer.close()
+
+        async def hang_up(reader, writer):
+            await reader.read(5)
+            writer.close()  # between frames: the end of the stream, as gRPC's EOF
+
+        results = []
+        for name, handler in (("silent", silent), ("half", half_frame), ("eof", hang_up)):
+            path = str(tmp_path / f"{name}.sock")
+            server = await asyncio.start_unix_server(handler, path=path)
+            call = await SessionSocketCall.connect(path, Response, timeout_s=0.3)
+            await call.write(verify(1))
+            try:
+                results.append(await call.read())
+            except grpc.aio.AioRpcError as error:
+                results.append(error.code())
+            server.close()
+        return results
+
+    assert asyncio.run(run()) == [
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.EOF,
+    ]
+
+
+def test_draining_refuses_new_sessions_and_lets_open_ones_finish(tmp_path):
+    async def run():
+        server = await serving(tmp_path, EchoSessions())
+        call = await SessionSocketCall.connect(server.path, Response)
+        await call.write(verify(1, 2))
+        await call.read()  # the session has begun
+        server.stop_accepting()
+        late = await SessionSocketCall.connect(server.path, Response)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await asyncio.sleep(0.05)  # the service has answered and hung up
+            await late.write(verify(1))
+            await late.read()
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in raised.value.details()
+        await call.write(verify(4, 5))
+        assert list((await call.read()).step.token_ids) == [5, 4]
+        await server.close()
+        assert await call.read() is grpc.aio.EOF  # closing ends the open session too
+
+    asyncio.run(run())
+
+
+class FakeGrpc:
+    def __init__(self) -> None:
+        self.timeouts = []
+
+    def __call__(self, timeout=None):
+        self.timeouts.append(timeout)
+        return "grpc call"
+
+
+def test_the_gateway_uses_a_socket_only_when_it_is_local_and_allowed(tmp_path):
+    async def run():
+        server = await serving(tmp_path, EchoSessions())
+        chosen = {}
+        for transport, path in (
+            ("auto", server.path),
+            ("grpc", server.path),
+            ("auto", ""),  # the service offers none
+            ("auto", str(tmp_path / "elsewhere.sock")),  # on another host
+        ):
+            grpc_open = FakeGrpc()
+            calls = SessionCalls(grpc_open, Response, transport)
+            calls.use_socket_if_local(path)
+            call = await calls.open(timeout_s=5)
+            chosen[(transport, path)] = (calls.transport, type(call).__name__, grpc_open.timeouts)
+            if isinstance(call, SessionSocketCall):
+                call.cancel()
+        await server.close()
+        return chosen
+
+    chosen = asyncio.run(run())
+    assert list(chosen.values()) == [
+        ("socket", "SessionSocketCall", []),
+        ("grpc", "str", [5]),
+        ("grpc", "str", [5]),
+        ("grpc", "str", [5]),
+    ]
+
+
+def test_a_stale_socket_file_falls_back_to_grpc(tmp_path):
+    path = str(tmp_path / "stale.sock")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)  # a socket file nobody listens on (its service was killed)
+    stale.close()
+
+    async def run():
+        grpc_open = FakeGrpc()
+        calls = SessionCalls(grpc_open, Response)
+        calls.use_socket_if_local(path)
+        assert calls.transport == "socket"
+        call = await calls.open(timeout_s=2)
+        return call, calls.transport, grpc_open.timeouts
+
+    assert asyncio.run(run()) == ("grpc call", "grpc", [2])
+
+
+def test_session_socket_settings():
+    settings = ServiceSettings(session_socket="auto")
+    path = settings.session_socket_path("target")
+    assert os.path.isdir(os.path.dirname(path)) and "dflash-target-" in path
+    os.rmdir(os.path.dirname(path))
+    assert ServiceSettings(session_socket="/run/x.sock").session_socket_path("t") == "/run/x.sock"
+    ServiceSettings(session_socket="off").validate("target")
+    for bad in ("", "/tmp/" + "x" * 120):
+        with pytest.raises(ConfigError, match="session_socket"):
+            ServiceSettings(session_socket=bad).validate("target")
