@@ -9,6 +9,7 @@ in this process through the gateway's gRPC clients; the HTTP layer is not in the
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -144,8 +145,9 @@ def summarize(result: RequestResult, target_only_tokens: list[int]) -> dict:
 
 async def concurrent_throughput(
     target, drafter, prompt, continuation, tau, vocab, count, max_new, transport, shared
-) -> float:
-    """Total generated tokens per second with `count` identical requests at once."""
+) -> dict:
+    """`count` identical requests at once: total generated tokens per second, and per request
+    (means) its time to first token and its time after it, to tell prefill from decoding."""
     began = time.perf_counter()
     results = await asyncio.gather(
         *(
@@ -156,7 +158,24 @@ async def concurrent_throughput(
         )
     )
     elapsed = time.perf_counter() - began
-    return sum(len(r.tokens) for r in results) / elapsed
+
+    def step_ms(pairs: list[tuple[int, int]]) -> dict:
+        """Medians and maxima over all requests' steps of wall and forward time, in ms."""
+        walls, forwards = [w / 1e6 for w, _ in pairs], [f / 1e6 for _, f in pairs]
+        return {
+            "median_wall": round(statistics.median(walls), 3) if walls else None,
+            "max_wall": round(max(walls), 3) if walls else None,
+            "median_forward": round(statistics.median(forwards), 3) if forwards else None,
+            "max_forward": round(max(forwards), 3) if forwards else None,
+        }
+
+    return {
+        "tok_s": round(sum(len(r.tokens) for r in results) / elapsed, 2),
+        "mean_ttft_ms": round(statistics.mean(r.ttft_s for r in results) * 1e3, 2),
+        "mean_decode_ms": round(statistics.mean(r.total_s - r.ttft_s for r in results) * 1e3, 2),
+        "verify_ms": step_ms([pair for r in results for pair in r.times.verify]),
+        "draft_ms": step_ms([pair for r in results for pair in r.times.draft]),
+    }
 
 
 def http_stream_request(base_url: str, prompt_ids: list[int], max_tokens: int) -> dict:

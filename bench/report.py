@@ -51,6 +51,14 @@ def markdown(r: dict) -> str:
             f"| {tau} | {e2e['tok_s']} | {e2e['ttft_ms']} | {e2e['tpot_ms']} | "
             f"{e2e['overhead_frac']:.1%} | {local.get('tok_s', '')} |"
         )
+    over_grpc = r.get("e2e_grpc", {}).get("6")
+    if over_grpc:
+        lines += [
+            "",
+            f"Sessions on {r.get('sessions_on', 'gRPC')} above; τ = 6 with the sessions on gRPC "
+            f"streams: {over_grpc['tok_s']} tok/s, TPOT {over_grpc['tpot_ms']} ms, overhead "
+            f"{over_grpc['overhead_frac']:.1%}",
+        ]
     challenge = r.get("challenge_ms", {})
     if challenge:
         lines += [

@@ -10,6 +10,7 @@ orchestration the suite's `overhead` column reports (medians over steps). Inline
 to a JSON file with the machine, date and command.
 
     python -m bench.trace_step [--smoke] [--seconds 20] [--tau 6] [--layout bf16]
+                               [--session-transport auto|grpc]
 
 --smoke: tiny random models (runs on a CPU); otherwise the 4B-shaped random pair on the GPU.
 """
@@ -110,7 +111,11 @@ async def run_requests(target_address, drafter_address, args, vocab) -> int:
     from gateway.drafter_client import DrafterClient
     from gateway.target_client import TargetClient
 
-    target, drafter = TargetClient(target_address), DrafterClient(drafter_address)
+    sessions = args.session_transport
+    target = TargetClient(target_address, session_transport=sessions)
+    drafter = DrafterClient(drafter_address, session_transport=sessions)
+    await target.info(), await drafter.info()
+    args.sessions_on = f"{target.sessions.transport} / {drafter.sessions.transport}"
     transport = "inline" if args.smoke else "cuda_ipc"
     shared = await target.feature_buffer() if transport == "cuda_ipc" else None
     prompt = [(i * 7919) % vocab for i in range(64)]
@@ -136,6 +141,12 @@ def main() -> None:
     parser.add_argument("--tau", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--layout", default="bf16", choices=LAYOUTS)
+    parser.add_argument(
+        "--session-transport",
+        choices=("auto", "grpc"),
+        default="auto",
+        help="auto: the services' local session sockets; grpc: gRPC streams",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default: results/)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,10 +178,12 @@ def main() -> None:
     results |= {
         "models": "smoke" if args.smoke else f"4B-shaped random, {args.layout}",
         "tau": args.tau,
+        "sessions_on": args.sessions_on,  # target / drafter
         "steps": steps,
         "steps_traced": len(segments.get("step", [])),
         "median_us": medians,
     }
+    print(f"sessions on (target / drafter): {args.sessions_on}")
     for name, value in medians.items():
         print(f"{value:9.1f} us  {name}")
     out = args.out
