@@ -14,6 +14,9 @@ writing the servicer and the client, over TCP loopback and a Unix socket:
 The gap between these round trips and what `bench.trace_step` shows inside the services is
 the servicers', batchers' and engines' share.
 
+A last section pauses 5 ms between round trips, as a speculative step does (each side idles
+while the other computes), with each side asleep in its event loop or polling it.
+
     python -m bench.grpc_latency [--seconds 2] [--out FILE]
 """
 
@@ -57,12 +60,21 @@ class ReadWriteServicer(drafter_pb2_grpc.DrafterServiceServicer):
 SERVICERS = {"generator": GeneratorServicer, "read_write": ReadWriteServicer}
 
 
-async def serve_raw(path: str) -> None:
+async def spin_until_readable(reader: asyncio.StreamReader, num_bytes: int) -> None:
+    """Poll the loop (select with no timeout) instead of sleeping in it until `num_bytes`
+    are buffered: a thread that never sleeps wakes no slower for the next message."""
+    while len(reader._buffer) < num_bytes and not reader.at_eof():
+        await asyncio.sleep(0)
+
+
+async def serve_raw(path: str, spin: bool = False) -> None:
     """The floor under any RPC layer: length-prefixed protobuf over an asyncio Unix socket."""
 
     async def session(reader, writer) -> None:
         try:
             while True:
+                if spin:
+                    await spin_until_readable(reader, 4)
                 size = int.from_bytes(await reader.readexactly(4), "little")
                 message = drafter_pb2.RunSessionRequest.FromString(await reader.readexactly(size))
                 if message.WhichOneof("step") == "draft":
@@ -78,8 +90,8 @@ async def serve_raw(path: str) -> None:
 
 
 async def serve(style: str, address: str) -> None:
-    if style == "raw":
-        await serve_raw(address.removeprefix("unix:"))
+    if style.startswith("raw"):
+        await serve_raw(address.removeprefix("unix:"), spin=style == "raw-spin")
         return
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(SERVICERS[style](), server)
@@ -89,7 +101,9 @@ async def serve(style: str, address: str) -> None:
     await server.wait_for_termination()
 
 
-async def ping_pong(stub, client_style: str, seconds: float, times: list[float]) -> None:
+async def ping_pong(
+    stub, client_style: str, seconds: float, times: list[float], gap_s: float = 0.0
+) -> None:
     call = stub.RunSession()
     request = drafter_pb2.RunSessionRequest(draft=drafter_pb2.Draft(anchor_id=1, num_drafts=15))
     ends = time.perf_counter() + seconds
@@ -102,10 +116,14 @@ async def ping_pong(stub, client_style: str, seconds: float, times: list[float])
             await call.read()
             await write
         times.append(time.perf_counter() - began)
+        if gap_s:
+            await asyncio.sleep(gap_s)
     call.cancel()
 
 
-async def raw_ping_pong(path: str, seconds: float, times: list[float]) -> None:
+async def raw_ping_pong(
+    path: str, seconds: float, times: list[float], gap_s: float = 0.0, spin: bool = False
+) -> None:
     reader, writer = await asyncio.open_unix_connection(path)
     payload = drafter_pb2.RunSessionRequest(
         draft=drafter_pb2.Draft(anchor_id=1, num_drafts=15)
@@ -113,17 +131,23 @@ async def raw_ping_pong(path: str, seconds: float, times: list[float]) -> None:
     ends = time.perf_counter() + seconds
     while (began := time.perf_counter()) < ends:
         writer.write(len(payload).to_bytes(4, "little") + payload)
+        if spin:
+            await spin_until_readable(reader, 4)
         size = int.from_bytes(await reader.readexactly(4), "little")
         drafter_pb2.RunSessionResponse.FromString(await reader.readexactly(size))
         times.append(time.perf_counter() - began)
+        if gap_s:
+            await asyncio.sleep(gap_s)
     writer.close()
 
 
-async def measure_raw(path: str, streams: int, seconds: float) -> dict:
+async def measure_raw(
+    path: str, streams: int, seconds: float, gap_s: float = 0.0, spin: bool = False
+) -> dict:
     await raw_ping_pong(path, 0.3, [])
     per_stream: list[list[float]] = [[] for _ in range(streams)]
     began = time.perf_counter()
-    await asyncio.gather(*(raw_ping_pong(path, seconds, t) for t in per_stream))
+    await asyncio.gather(*(raw_ping_pong(path, seconds, t, gap_s, spin) for t in per_stream))
     return summary(per_stream, time.perf_counter() - began)
 
 
@@ -156,6 +180,52 @@ def start_server(style: str, address: str) -> tuple[subprocess.Popen, str]:
     if address.startswith("unix:"):
         return process, address
     return process, f"127.0.0.1:{port}"
+
+
+def idle_gaps(socket_dir: Path, seconds: float, results: dict) -> None:
+    """One stream with a pause between round trips, as a speculative step has (each side
+    idles while the other computes): asleep in the loop, or polling it (spin)."""
+    for gap_ms in (0.0, 5.0):
+        process, address = start_server("generator", "127.0.0.1:0")
+        try:
+            case = {"transport": "tcp", "server": "generator", "gap_ms": gap_ms}
+            case |= asyncio.run(measure_with_gap(address, gap_ms / 1e3))
+            results["cases"].append(case)
+            print(f"gRPC, {gap_ms} ms between round trips: {case['round_trip_us']:7.1f} us")
+        finally:
+            process.terminate()
+            process.wait()
+        for server_spin in (False, True):
+            style = "raw-spin" if server_spin else "raw"
+            process, address = start_server(style, f"unix:{socket_dir}/{style}-{gap_ms}.sock")
+            try:
+                for client_spin in (False, True):
+                    path = address.removeprefix("unix:")
+                    case = {
+                        "transport": "unix, no gRPC",
+                        "gap_ms": gap_ms,
+                        "server_spins": server_spin,
+                        "client_spins": client_spin,
+                    }
+                    case |= asyncio.run(measure_raw(path, 1, seconds, gap_ms / 1e3, client_spin))
+                    results["cases"].append(case)
+                    print(
+                        f"unix, no gRPC, {gap_ms} ms between round trips, server "
+                        f"{'spins' if server_spin else 'sleeps'}, client "
+                        f"{'spins' if client_spin else 'sleeps'}: {case['round_trip_us']:7.1f} us"
+                    )
+            finally:
+                process.terminate()
+                process.wait()
+
+
+async def measure_with_gap(address: str, gap_s: float) -> dict:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        times: list[float] = []
+        began = time.perf_counter()
+        await ping_pong(stub, "sequential", 2.0, times, gap_s)
+        return summary([times], time.perf_counter() - began)
 
 
 def main() -> None:
@@ -209,6 +279,7 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait()
+    idle_gaps(socket_dir, args.seconds, results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
         print(f"wrote {args.out}")

@@ -40,6 +40,9 @@ class ServiceSettings:
     # this host uses instead of gRPC: "auto" (a fresh path under the temp directory), a path,
     # or "off".
     session_socket: str = "auto"
+    # How long a session on the socket polls for its next request before sleeping in the
+    # event loop; None: session_socket.framing.GPU_SPIN_US on the GPU fast path, else 0.
+    session_spin_us: int | None = None
 
     def uses_gpu_fast_path(self) -> bool:
         """On a GPU unless turned off; ConfigError when it is wanted but triton is missing."""
@@ -71,6 +74,14 @@ class ServiceSettings:
 
         return str(Path(tempfile.mkdtemp(prefix=f"dflash-{service}-")) / "session.sock")
 
+    def session_spin_s(self) -> float:
+        if self.session_spin_us is not None:
+            return self.session_spin_us / 1e6
+        from dflash_serve.session_socket.framing import GPU_SPIN_US
+
+        on_fast_path = self.device.startswith("cuda") and self.gpu_fast_path
+        return GPU_SPIN_US / 1e6 if on_fast_path else 0.0
+
     def wait_us(self, service: str) -> int:
         """max_wait_us, or the service's default."""
         return DEFAULT_MAX_WAIT_US[service] if self.max_wait_us is None else self.max_wait_us
@@ -90,6 +101,7 @@ class ServiceSettings:
             "max_wait_us": self.max_wait_us is None or self.max_wait_us >= 0,
             "engine_threads": self.engine_threads >= 1,
             "grace_period_s": self.grace_period_s >= 0,
+            "session_spin_us": self.session_spin_us is None or self.session_spin_us >= 0,
             "dtype": self.dtype in DTYPE_CHOICES,
             # a Unix socket's path holds at most 107 bytes
             "session_socket": bool(self.session_socket)

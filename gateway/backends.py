@@ -45,12 +45,13 @@ def retrying(deadline_s: float) -> AsyncRetrying:
 class Backends:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        transport = config.session_transport
-        self.target = TargetClient(config.target_address, session_transport=transport)
+        sessions = {
+            "session_transport": config.session_transport,
+            "session_spin_us": config.session_spin_us,
+        }
+        self.target = TargetClient(config.target_address, **sessions)
         self.drafter = (
-            DrafterClient(config.drafter_address, session_transport=transport)
-            if config.drafter_address
-            else None
+            DrafterClient(config.drafter_address, **sessions) if config.drafter_address else None
         )
         self.target_info: TargetInfo | None = None
         self.drafter_info: DrafterInfo | None = None

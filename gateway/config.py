@@ -28,6 +28,9 @@ class GatewayConfig:
     # "auto": sessions on a service's local session socket when it offers one on this host
     # (cheaper per step than gRPC), else gRPC; "grpc": always gRPC.
     session_transport: str = "auto"
+    # How long a socket session polls for each response before sleeping; None: 20 ms when the
+    # service runs on a GPU, else 0 (gateway.session_calls).
+    session_spin_us: int | None = None
 
     def validate(self) -> None:
         checks = {
@@ -39,6 +42,7 @@ class GatewayConfig:
             "connect_timeout_s": self.connect_timeout_s > 0,
             "feature_transport": self.feature_transport in FEATURE_TRANSPORTS,
             "session_transport": self.session_transport in SESSION_TRANSPORTS,
+            "session_spin_us": self.session_spin_us is None or self.session_spin_us >= 0,
         }
         bad = {name: getattr(self, name) for name, ok in checks.items() if not ok}
         if bad:

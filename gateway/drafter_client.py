@@ -21,21 +21,29 @@ from gateway.target_client import read_event
 
 class DrafterClient:
     def __init__(
-        self, address: str, rpc_timeout_s: float = 10.0, session_transport: str = "auto"
+        self,
+        address: str,
+        rpc_timeout_s: float = 10.0,
+        session_transport: str = "auto",
+        session_spin_us: int | None = None,
     ) -> None:
         """`session_transport`: "auto" opens sessions on the service's local session socket
-        once `info()` has found one on this host; "grpc" always on gRPC."""
+        once `info()` has found one on this host; "grpc" always on gRPC. `session_spin_us`:
+        see SessionCalls."""
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.sessions = SessionCalls(
-            self.stub.RunSession, drafter_pb2.RunSessionResponse, session_transport
+            self.stub.RunSession,
+            drafter_pb2.RunSessionResponse,
+            session_transport,
+            session_spin_us,
         )
 
     async def info(self) -> DrafterInfo:
         r = await self.stub.GetInfo(drafter_pb2.GetInfoRequest(), timeout=self.rpc_timeout_s)
-        self.sessions.use_socket_if_local(r.session_socket)
+        self.sessions.use_socket_if_local(r.session_socket, r.device)
         return DrafterInfo(
             r.model_name,
             r.target_model_name,

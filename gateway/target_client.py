@@ -36,21 +36,29 @@ async def read_event(call, field: str):
 
 class TargetClient:
     def __init__(
-        self, address: str, rpc_timeout_s: float = 10.0, session_transport: str = "auto"
+        self,
+        address: str,
+        rpc_timeout_s: float = 10.0,
+        session_transport: str = "auto",
+        session_spin_us: int | None = None,
     ) -> None:
         """`session_transport`: "auto" opens sessions on the service's local session socket
-        once `info()` has found one on this host; "grpc" always on gRPC."""
+        once `info()` has found one on this host; "grpc" always on gRPC. `session_spin_us`:
+        see SessionCalls."""
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.sessions = SessionCalls(
-            self.stub.RunSession, target_pb2.RunSessionResponse, session_transport
+            self.stub.RunSession,
+            target_pb2.RunSessionResponse,
+            session_transport,
+            session_spin_us,
         )
 
     async def info(self) -> TargetInfo:
         r = await self.stub.GetInfo(target_pb2.GetInfoRequest(), timeout=self.rpc_timeout_s)
-        self.sessions.use_socket_if_local(r.session_socket)
+        self.sessions.use_socket_if_local(r.session_socket, r.device)
         return TargetInfo(
             r.model_name,
             r.vocab_size,

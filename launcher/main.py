@@ -54,6 +54,12 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
         "instead of gRPC): auto (a fresh path under the temp directory), a path, or off",
     )
     parser.add_argument(
+        "--session-spin-us",
+        type=int,
+        help="how long a session on the local socket polls for its next request before "
+        "sleeping (default: 20000 on the GPU fast path, else 0: spinning costs a core)",
+    )
+    parser.add_argument(
         "--gpu-memory-fraction", type=float, help="cap of this process's share of the GPU (0..1]"
     )
 
@@ -91,6 +97,12 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         help="auto: sessions on a service's local session socket when it has one on this "
         "host, else gRPC; grpc: always gRPC",
     )
+    parser.add_argument(
+        "--session-spin-us",
+        type=int,
+        help="how long a session on the local socket polls for its next response before "
+        "sleeping (default: 20000 when the service runs on a GPU, else 0)",
+    )
 
 
 def gateway_config(args: argparse.Namespace, target: str, drafter: str | None, tokenizer: str):
@@ -110,6 +122,7 @@ def gateway_config(args: argparse.Namespace, target: str, drafter: str | None, t
         request_timeout_s=args.request_timeout_s,
         feature_transport=args.feature_transport,
         session_transport=args.session_transport,
+        session_spin_us=args.session_spin_us,
     )
     config.validate()
     return config
@@ -173,6 +186,7 @@ def service_settings(args: argparse.Namespace):
         gpu_fast_path=args.gpu_fast_path,
         gpu_memory_fraction=args.gpu_memory_fraction,
         session_socket=args.session_socket,
+        session_spin_us=args.session_spin_us,
     )
 
 

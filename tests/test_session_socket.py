@@ -278,3 +278,44 @@ def test_session_socket_settings():
     for bad in ("", "/tmp/" + "x" * 120):
         with pytest.raises(ConfigError, match="session_socket"):
             ServiceSettings(session_socket=bad).validate("target")
+
+
+@pytest.mark.parametrize("spin_s", [0.5, 0.02])
+def test_a_spinning_reader_gets_frames_that_come_during_and_after_its_spin(spin_s):
+    """Within the spin (0.5 s) the frame is found by polling; after it (0.02 s) the reader
+    sleeps until it comes. Either way, the same frame, and a clean end after it."""
+
+    async def run():
+        reader = asyncio.StreamReader()
+        payload = verify(1, 2).SerializeToString()
+
+        async def send_later():
+            await asyncio.sleep(0.1)
+            reader.feed_data(frame(REQUEST, payload))
+            await asyncio.sleep(0.05)
+            reader.feed_eof()
+
+        sender = asyncio.ensure_future(send_later())
+        got = await asyncio.wait_for(read_frame(reader, spin_s), 5)
+        end = await asyncio.wait_for(read_frame(reader, spin_s), 5)
+        await sender
+        return got, end
+
+    assert asyncio.run(run()) == ((REQUEST, verify(1, 2).SerializeToString()), None)
+
+
+def test_spinning_is_for_sessions_on_a_gpu_unless_set():
+    calls = SessionCalls(FakeGrpc(), Response)
+    calls.use_socket_if_local("", "cuda:0")
+    assert calls.spin_s == 0.02
+    calls.use_socket_if_local("", "cpu")
+    assert calls.spin_s == 0
+    calls = SessionCalls(FakeGrpc(), Response, spin_us=500)
+    calls.use_socket_if_local("", "cpu")
+    assert calls.spin_s == 0.0005
+    assert ServiceSettings(device="cuda").session_spin_s() == 0.02
+    assert ServiceSettings(device="cuda", gpu_fast_path=False).session_spin_s() == 0
+    assert ServiceSettings(device="cpu").session_spin_s() == 0
+    assert ServiceSettings(device="cpu", session_spin_us=100).session_spin_s() == 0.0001
+    with pytest.raises(ConfigError, match="session_spin_us"):
+        ServiceSettings(session_spin_us=-1).validate("drafter")

@@ -90,7 +90,10 @@ async def serve_model(
     socket_server = None
     if settings.session_socket != "off":
         socket_server = SessionSocketServer(
-            settings.session_socket_path(kind), request_type, servicer.session_responses
+            settings.session_socket_path(kind),
+            request_type,
+            servicer.session_responses,
+            settings.session_spin_s(),
         )
         await socket_server.start()
         servicer.session_socket_path = socket_server.path

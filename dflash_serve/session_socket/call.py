@@ -31,22 +31,26 @@ def rpc_error(status: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class SessionSocketCall:
-    def __init__(self, reader, writer, response_type: type, deadline: float | None) -> None:
+    def __init__(
+        self, reader, writer, response_type: type, deadline: float | None, spin_s: float = 0.0
+    ) -> None:
         self._reader = reader
+        self._spin_s = spin_s
         self._writer = writer
         self._response_type = response_type
         self._deadline = deadline  # the event loop's clock; None: no deadline
 
     @classmethod
     async def connect(
-        cls, path: str, response_type: type, timeout_s: float | None = None
+        cls, path: str, response_type: type, timeout_s: float | None = None, spin_s: float = 0.0
     ) -> SessionSocketCall:
         """Connect to the service's socket (OSError when nothing listens there);
-        `timeout_s` is the deadline of the whole session, as gRPC's `timeout`."""
+        `timeout_s` is the deadline of the whole session, as gRPC's `timeout`; `spin_s`: how
+        long `read` polls for a response before sleeping (framing.read_frame)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         reader, writer = await asyncio.open_unix_connection(path)
-        return cls(reader, writer, response_type, deadline)
+        return cls(reader, writer, response_type, deadline, spin_s)
 
     async def write(self, message) -> None:
         try:
@@ -59,10 +63,10 @@ class SessionSocketCall:
     async def read(self):
         try:
             if self._deadline is None:
-                received = await read_frame(self._reader)
+                received = await read_frame(self._reader, self._spin_s)
             else:
                 async with asyncio.timeout_at(self._deadline):
-                    received = await read_frame(self._reader)
+                    received = await read_frame(self._reader, self._spin_s)
         except TimeoutError as error:
             self.cancel()
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from error

@@ -39,8 +39,16 @@ SessionResponses = Callable[[AsyncIterator[Any], Callable[[Any], None]], AsyncIt
 
 
 class SessionSocketServer:
-    def __init__(self, path: str, request_type: type, session_responses: SessionResponses):
+    def __init__(
+        self,
+        path: str,
+        request_type: type,
+        session_responses: SessionResponses,
+        spin_s: float = 0.0,
+    ) -> None:
+        """`spin_s`: how long a session polls for its next request before sleeping."""
         self.path = path
+        self._spin_s = spin_s
         self._request_type = request_type
         self._session_responses = session_responses
         self._server: asyncio.AbstractServer | None = None
@@ -75,7 +83,7 @@ class SessionSocketServer:
                 parent.rmdir()
 
     async def _requests(self, reader: asyncio.StreamReader):
-        while (received := await read_frame(reader)) is not None:
+        while (received := await read_frame(reader, self._spin_s)) is not None:
             kind, payload = received
             if kind != REQUEST:
                 raise FrameError(f"a client sends request frames only, not {kind!r}")
