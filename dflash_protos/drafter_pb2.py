@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dflash_protos import features_pb2 as dflash__protos_dot_features__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x66lash_protos/drafter.proto\x12\x11\x64\x66lash.drafter.v1\x1a\x1c\x64\x66lash_protos/features.proto\"\x10\n\x0eGetInfoRequest\"\x85\x02\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11target_model_name\x18\x02 \x01(\t\x12\x15\n\rtap_layer_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nmax_drafts\x18\x05 \x01(\r\x12\x15\n\rmask_token_id\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\r\x12\x1a\n\x12max_context_tokens\x18\n \x01(\r\x12\x16\n\x0esession_socket\x18\x0b \x01(\t\"\x11\n\x0fGetStatsRequest\"\xba\x01\n\x10GetStatsResponse\x12\x1b\n\x13num_active_sessions\x18\x01 \x01(\r\x12\x19\n\x11num_draft_batches\x18\x02 \x01(\x04\x12\x17\n\x0fnum_draft_steps\x18\x03 \x01(\x04\x12\x1c\n\x14max_draft_batch_size\x18\x04 \x01(\r\x12\x15\n\rdraft_wait_us\x18\x05 \x01(\x04\x12 \n\x18num_inline_draft_batches\x18\x06 \x01(\x04\"\x87\x01\n\x0bOpenSession\x12?\n\x11\x66\x65\x61ture_transport\x18\x01 \x01(\x0e\x32$.dflash.features.v1.FeatureTransport\x12\x37\n\rshared_buffer\x18\x02 \x01(\x0b\x32 .dflash.features.v1.SharedBuffer\"`\n\x05\x44raft\x12\x30\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x1e.dflash.features.v1.FeatureRef\x12\x11\n\tanchor_id\x18\x02 \x01(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\"\xb1\x01\n\x11RunSessionRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.dflash.drafter.v1.OpenSessionH\x00\x12)\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x18.dflash.drafter.v1.DraftH\x00\x12\x39\n\rfeature_chunk\x18\x03 \x01(\x0b\x32 .dflash.features.v1.FeatureChunkH\x00\x42\x06\n\x04step\"\x1d\n\rSessionOpened\x12\x0c\n\x04slot\x18\x01 \x01(\r\"D\n\x07\x44rafted\x12\x11\n\tdraft_ids\x18\x01 \x03(\r\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\x80\x01\n\x12RunSessionResponse\x12\x32\n\x06opened\x18\x01 \x01(\x0b\x32 .dflash.drafter.v1.SessionOpenedH\x00\x12-\n\x07\x64rafted\x18\x02 \x01(\x0b\x32\x1a.dflash.drafter.v1.DraftedH\x00\x42\x07\n\x05\x65vent2\x96\x02\n\x0e\x44rafterService\x12P\n\x07GetInfo\x12!.dflash.drafter.v1.GetInfoRequest\x1a\".dflash.drafter.v1.GetInfoResponse\x12S\n\x08GetStats\x12\".dflash.drafter.v1.GetStatsRequest\x1a#.dflash.drafter.v1.GetStatsResponse\x12]\n\nRunSession\x12$.dflash.drafter.v1.RunSessionRequest\x1a%.dflash.drafter.v1.RunSessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x66lash_protos/drafter.proto\x12\x11\x64\x66lash.drafter.v1\x1a\x1c\x64\x66lash_protos/features.proto\"\x10\n\x0eGetInfoRequest\"\x9e\x02\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11target_model_name\x18\x02 \x01(\t\x12\x15\n\rtap_layer_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nmax_drafts\x18\x05 \x01(\r\x12\x15\n\rmask_token_id\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\r\x12\x1a\n\x12max_context_tokens\x18\n \x01(\r\x12\x16\n\x0esession_socket\x18\x0b \x01(\t\x12\x17\n\x0fsession_spin_us\x18\x0c \x01(\r\"\x11\n\x0fGetStatsRequest\"\xba\x01\n\x10GetStatsResponse\x12\x1b\n\x13num_active_sessions\x18\x01 \x01(\r\x12\x19\n\x11num_draft_batches\x18\x02 \x01(\x04\x12\x17\n\x0fnum_draft_steps\x18\x03 \x01(\x04\x12\x1c\n\x14max_draft_batch_size\x18\x04 \x01(\r\x12\x15\n\rdraft_wait_us\x18\x05 \x01(\x04\x12 \n\x18num_inline_draft_batches\x18\x06 \x01(\x04\"\x87\x01\n\x0bOpenSession\x12?\n\x11\x66\x65\x61ture_transport\x18\x01 \x01(\x0e\x32$.dflash.features.v1.FeatureTransport\x12\x37\n\rshared_buffer\x18\x02 \x01(\x0b\x32 .dflash.features.v1.SharedBuffer\"`\n\x05\x44raft\x12\x30\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x1e.dflash.features.v1.FeatureRef\x12\x11\n\tanchor_id\x18\x02 \x01(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\"\xb1\x01\n\x11RunSessionRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.dflash.drafter.v1.OpenSessionH\x00\x12)\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x18.dflash.drafter.v1.DraftH\x00\x12\x39\n\rfeature_chunk\x18\x03 \x01(\x0b\x32 .dflash.features.v1.FeatureChunkH\x00\x42\x06\n\x04step\"\x1d\n\rSessionOpened\x12\x0c\n\x04slot\x18\x01 \x01(\r\"D\n\x07\x44rafted\x12\x11\n\tdraft_ids\x18\x01 \x03(\r\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"\x80\x01\n\x12RunSessionResponse\x12\x32\n\x06opened\x18\x01 \x01(\x0b\x32 .dflash.drafter.v1.SessionOpenedH\x00\x12-\n\x07\x64rafted\x18\x02 \x01(\x0b\x32\x1a.dflash.drafter.v1.DraftedH\x00\x42\x07\n\x05\x65vent2\x96\x02\n\x0e\x44rafterService\x12P\n\x07GetInfo\x12!.dflash.drafter.v1.GetInfoRequest\x1a\".dflash.drafter.v1.GetInfoResponse\x12S\n\x08GetStats\x12\".dflash.drafter.v1.GetStatsRequest\x1a#.dflash.drafter.v1.GetStatsResponse\x12]\n\nRunSession\x12$.dflash.drafter.v1.RunSessionRequest\x1a%.dflash.drafter.v1.RunSessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=80
   _globals['_GETINFOREQUEST']._serialized_end=96
   _globals['_GETINFORESPONSE']._serialized_start=99
-  _globals['_GETINFORESPONSE']._serialized_end=360
-  _globals['_GETSTATSREQUEST']._serialized_start=362
-  _globals['_GETSTATSREQUEST']._serialized_end=379
-  _globals['_GETSTATSRESPONSE']._serialized_start=382
-  _globals['_GETSTATSRESPONSE']._serialized_end=568
-  _globals['_OPENSESSION']._serialized_start=571
-  _globals['_OPENSESSION']._serialized_end=706
-  _globals['_DRAFT']._serialized_start=708
-  _globals['_DRAFT']._serialized_end=804
-  _globals['_RUNSESSIONREQUEST']._serialized_start=807
-  _globals['_RUNSESSIONREQUEST']._serialized_end=984
-  _globals['_SESSIONOPENED']._serialized_start=986
-  _globals['_SESSIONOPENED']._serialized_end=1015
-  _globals['_DRAFTED']._serialized_start=1017
-  _globals['_DRAFTED']._serialized_end=1085
-  _globals['_RUNSESSIONRESPONSE']._serialized_start=1088
-  _globals['_RUNSESSIONRESPONSE']._serialized_end=1216
-  _globals['_DRAFTERSERVICE']._serialized_start=1219
-  _globals['_DRAFTERSERVICE']._serialized_end=1497
+  _globals['_GETINFORESPONSE']._serialized_end=385
+  _globals['_GETSTATSREQUEST']._serialized_start=387
+  _globals['_GETSTATSREQUEST']._serialized_end=404
+  _globals['_GETSTATSRESPONSE']._serialized_start=407
+  _globals['_GETSTATSRESPONSE']._serialized_end=593
+  _globals['_OPENSESSION']._serialized_start=596
+  _globals['_OPENSESSION']._serialized_end=731
+  _globals['_DRAFT']._serialized_start=733
+  _globals['_DRAFT']._serialized_end=829
+  _globals['_RUNSESSIONREQUEST']._serialized_start=832
+  _globals['_RUNSESSIONREQUEST']._serialized_end=1009
+  _globals['_SESSIONOPENED']._serialized_start=1011
+  _globals['_SESSIONOPENED']._serialized_end=1040
+  _globals['_DRAFTED']._serialized_start=1042
+  _globals['_DRAFTED']._serialized_end=1110
+  _globals['_RUNSESSIONRESPONSE']._serialized_start=1113
+  _globals['_RUNSESSIONRESPONSE']._serialized_end=1241
+  _globals['_DRAFTERSERVICE']._serialized_start=1244
+  _globals['_DRAFTERSERVICE']._serialized_end=1522
 # @@protoc_insertion_point(module_scope)

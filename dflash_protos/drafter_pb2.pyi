@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "target_model_name", "tap_layer_ids", "block_size", "max_drafts", "mask_token_id", "hidden_size", "device", "max_sessions", "max_context_tokens", "session_socket")
+    __slots__ = ("model_name", "target_model_name", "tap_layer_ids", "block_size", "max_drafts", "mask_token_id", "hidden_size", "device", "max_sessions", "max_context_tokens", "session_socket", "session_spin_us")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TAP_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class GetInfoResponse(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SPIN_US_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     target_model_name: str
     tap_layer_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -35,7 +36,8 @@ class GetInfoResponse(_message.Message):
     max_sessions: int
     max_context_tokens: int
     session_socket: str
-    def __init__(self, model_name: _Optional[str] = ..., target_model_name: _Optional[str] = ..., tap_layer_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., device: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., session_socket: _Optional[str] = ...) -> None: ...
+    session_spin_us: int
+    def __init__(self, model_name: _Optional[str] = ..., target_model_name: _Optional[str] = ..., tap_layer_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_drafts: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., device: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., session_socket: _Optional[str] = ..., session_spin_us: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

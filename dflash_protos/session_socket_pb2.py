@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"dflash_protos/session_socket.proto\x12\x18\x64\x66lash.session_socket.v1\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"dflash_protos/session_socket.proto\x12\x18\x64\x66lash.session_socket.v1\"%\n\x0fSessionDeadline\x12\x12\n\ntimeout_us\x18\x01 \x01(\x04\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dflash_protos.session_socket_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONERROR']._serialized_start=64
-  _globals['_SESSIONERROR']._serialized_end=109
+  _globals['_SESSIONDEADLINE']._serialized_start=64
+  _globals['_SESSIONDEADLINE']._serialized_end=101
+  _globals['_SESSIONERROR']._serialized_start=103
+  _globals['_SESSIONERROR']._serialized_end=148
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SessionDeadline(_message.Message):
+    __slots__ = ("timeout_us",)
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
+    timeout_us: int
+    def __init__(self, timeout_us: _Optional[int] = ...) -> None: ...
+
 class SessionError(_message.Message):
     __slots__ = ("code", "message")
     CODE_FIELD_NUMBER: _ClassVar[int]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dflash_protos import features_pb2 as dflash__protos_dot_features__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x66lash_protos/target.proto\x12\x10\x64\x66lash.target.v1\x1a\x1c\x64\x66lash_protos/features.proto\"\x10\n\x0eGetInfoRequest\"\xf0\x01\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x15\n\rtap_layer_ids\x18\x05 \x03(\r\x12\x18\n\x10max_block_tokens\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\r\x12\x16\n\x0esession_socket\x18\n \x01(\t\"\x11\n\x0fGetStatsRequest\"\xbf\x01\n\x10GetStatsResponse\x12\x1b\n\x13num_active_sessions\x18\x01 \x01(\r\x12\x1a\n\x12num_verify_batches\x18\x02 \x01(\x04\x12\x18\n\x10num_verify_steps\x18\x03 \x01(\x04\x12\x1d\n\x15max_verify_batch_size\x18\x04 \x01(\r\x12\x16\n\x0everify_wait_us\x18\x05 \x01(\x04\x12!\n\x19num_inline_verify_batches\x18\x06 \x01(\x04\"\x19\n\x17GetFeatureBufferRequest\"L\n\x18GetFeatureBufferResponse\x12\x30\n\x06\x62uffer\x18\x01 \x01(\x0b\x32 .dflash.features.v1.SharedBuffer\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x82\x01\n\x0bOpenSession\x12\x32\n\x08sampling\x18\x01 \x01(\x0b\x32 .dflash.target.v1.SamplingParams\x12?\n\x11\x66\x65\x61ture_transport\x18\x02 \x01(\x0e\x32$.dflash.features.v1.FeatureTransport\"\x1d\n\x07Prefill\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\"\x1b\n\x06Verify\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"\xa4\x01\n\x11RunSessionRequest\x12-\n\x04open\x18\x01 \x01(\x0b\x32\x1d.dflash.target.v1.OpenSessionH\x00\x12,\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.dflash.target.v1.PrefillH\x00\x12*\n\x06verify\x18\x03 \x01(\x0b\x32\x18.dflash.target.v1.VerifyH\x00\x42\x06\n\x04step\"\x1d\n\rSessionOpened\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\x8f\x01\n\nStepResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x30\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x1e.dflash.features.v1.FeatureRef\x12\x12\n\nforward_ns\x18\x04 \x01(\x04\x12\x12\n\nbatch_size\x18\x05 \x01(\r\"\xb9\x01\n\x12RunSessionResponse\x12\x31\n\x06opened\x18\x01 \x01(\x0b\x32\x1f.dflash.target.v1.SessionOpenedH\x00\x12,\n\x04step\x18\x02 \x01(\x0b\x32\x1c.dflash.target.v1.StepResultH\x00\x12\x39\n\rfeature_chunk\x18\x03 \x01(\x0b\x32 .dflash.features.v1.FeatureChunkH\x00\x42\x07\n\x05\x65vent2\xfa\x02\n\rTargetService\x12N\n\x07GetInfo\x12 .dflash.target.v1.GetInfoRequest\x1a!.dflash.target.v1.GetInfoResponse\x12Q\n\x08GetStats\x12!.dflash.target.v1.GetStatsRequest\x1a\".dflash.target.v1.GetStatsResponse\x12i\n\x10GetFeatureBuffer\x12).dflash.target.v1.GetFeatureBufferRequest\x1a*.dflash.target.v1.GetFeatureBufferResponse\x12[\n\nRunSession\x12#.dflash.target.v1.RunSessionRequest\x1a$.dflash.target.v1.RunSessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x66lash_protos/target.proto\x12\x10\x64\x66lash.target.v1\x1a\x1c\x64\x66lash_protos/features.proto\"\x10\n\x0eGetInfoRequest\"\x89\x02\n\x0fGetInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x15\n\rtap_layer_ids\x18\x05 \x03(\r\x12\x18\n\x10max_block_tokens\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\r\x12\x16\n\x0esession_socket\x18\n \x01(\t\x12\x17\n\x0fsession_spin_us\x18\x0b \x01(\r\"\x11\n\x0fGetStatsRequest\"\xbf\x01\n\x10GetStatsResponse\x12\x1b\n\x13num_active_sessions\x18\x01 \x01(\r\x12\x1a\n\x12num_verify_batches\x18\x02 \x01(\x04\x12\x18\n\x10num_verify_steps\x18\x03 \x01(\x04\x12\x1d\n\x15max_verify_batch_size\x18\x04 \x01(\r\x12\x16\n\x0everify_wait_us\x18\x05 \x01(\x04\x12!\n\x19num_inline_verify_batches\x18\x06 \x01(\x04\"\x19\n\x17GetFeatureBufferRequest\"L\n\x18GetFeatureBufferResponse\x12\x30\n\x06\x62uffer\x18\x01 \x01(\x0b\x32 .dflash.features.v1.SharedBuffer\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x82\x01\n\x0bOpenSession\x12\x32\n\x08sampling\x18\x01 \x01(\x0b\x32 .dflash.target.v1.SamplingParams\x12?\n\x11\x66\x65\x61ture_transport\x18\x02 \x01(\x0e\x32$.dflash.features.v1.FeatureTransport\"\x1d\n\x07Prefill\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\"\x1b\n\x06Verify\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"\xa4\x01\n\x11RunSessionRequest\x12-\n\x04open\x18\x01 \x01(\x0b\x32\x1d.dflash.target.v1.OpenSessionH\x00\x12,\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.dflash.target.v1.PrefillH\x00\x12*\n\x06verify\x18\x03 \x01(\x0b\x32\x18.dflash.target.v1.VerifyH\x00\x42\x06\n\x04step\"\x1d\n\rSessionOpened\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\x8f\x01\n\nStepResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x30\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x1e.dflash.features.v1.FeatureRef\x12\x12\n\nforward_ns\x18\x04 \x01(\x04\x12\x12\n\nbatch_size\x18\x05 \x01(\r\"\xb9\x01\n\x12RunSessionResponse\x12\x31\n\x06opened\x18\x01 \x01(\x0b\x32\x1f.dflash.target.v1.SessionOpenedH\x00\x12,\n\x04step\x18\x02 \x01(\x0b\x32\x1c.dflash.target.v1.StepResultH\x00\x12\x39\n\rfeature_chunk\x18\x03 \x01(\x0b\x32 .dflash.features.v1.FeatureChunkH\x00\x42\x07\n\x05\x65vent2\xfa\x02\n\rTargetService\x12N\n\x07GetInfo\x12 .dflash.target.v1.GetInfoRequest\x1a!.dflash.target.v1.GetInfoResponse\x12Q\n\x08GetStats\x12!.dflash.target.v1.GetStatsRequest\x1a\".dflash.target.v1.GetStatsResponse\x12i\n\x10GetFeatureBuffer\x12).dflash.target.v1.GetFeatureBufferRequest\x1a*.dflash.target.v1.GetFeatureBufferResponse\x12[\n\nRunSession\x12#.dflash.target.v1.RunSessionRequest\x1a$.dflash.target.v1.RunSessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=78
   _globals['_GETINFOREQUEST']._serialized_end=94
   _globals['_GETINFORESPONSE']._serialized_start=97
-  _globals['_GETINFORESPONSE']._serialized_end=337
-  _globals['_GETSTATSREQUEST']._serialized_start=339
-  _globals['_GETSTATSREQUEST']._serialized_end=356
-  _globals['_GETSTATSRESPONSE']._serialized_start=359
-  _globals['_GETSTATSRESPONSE']._serialized_end=550
-  _globals['_GETFEATUREBUFFERREQUEST']._serialized_start=552
-  _globals['_GETFEATUREBUFFERREQUEST']._serialized_end=577
-  _globals['_GETFEATUREBUFFERRESPONSE']._serialized_start=579
-  _globals['_GETFEATUREBUFFERRESPONSE']._serialized_end=655
-  _globals['_SAMPLINGPARAMS']._serialized_start=657
-  _globals['_SAMPLINGPARAMS']._serialized_end=738
-  _globals['_OPENSESSION']._serialized_start=741
-  _globals['_OPENSESSION']._serialized_end=871
-  _globals['_PREFILL']._serialized_start=873
-  _globals['_PREFILL']._serialized_end=902
-  _globals['_VERIFY']._serialized_start=904
-  _globals['_VERIFY']._serialized_end=931
-  _globals['_RUNSESSIONREQUEST']._serialized_start=934
-  _globals['_RUNSESSIONREQUEST']._serialized_end=1098
-  _globals['_SESSIONOPENED']._serialized_start=1100
-  _globals['_SESSIONOPENED']._serialized_end=1129
-  _globals['_STEPRESULT']._serialized_start=1132
-  _globals['_STEPRESULT']._serialized_end=1275
-  _globals['_RUNSESSIONRESPONSE']._serialized_start=1278
-  _globals['_RUNSESSIONRESPONSE']._serialized_end=1463
-  _globals['_TARGETSERVICE']._serialized_start=1466
-  _globals['_TARGETSERVICE']._serialized_end=1844
+  _globals['_GETINFORESPONSE']._serialized_end=362
+  _globals['_GETSTATSREQUEST']._serialized_start=364
+  _globals['_GETSTATSREQUEST']._serialized_end=381
+  _globals['_GETSTATSRESPONSE']._serialized_start=384
+  _globals['_GETSTATSRESPONSE']._serialized_end=575
+  _globals['_GETFEATUREBUFFERREQUEST']._serialized_start=577
+  _globals['_GETFEATUREBUFFERREQUEST']._serialized_end=602
+  _globals['_GETFEATUREBUFFERRESPONSE']._serialized_start=604
+  _globals['_GETFEATUREBUFFERRESPONSE']._serialized_end=680
+  _globals['_SAMPLINGPARAMS']._serialized_start=682
+  _globals['_SAMPLINGPARAMS']._serialized_end=763
+  _globals['_OPENSESSION']._serialized_start=766
+  _globals['_OPENSESSION']._serialized_end=896
+  _globals['_PREFILL']._serialized_start=898
+  _globals['_PREFILL']._serialized_end=927
+  _globals['_VERIFY']._serialized_start=929
+  _globals['_VERIFY']._serialized_end=956
+  _globals['_RUNSESSIONREQUEST']._serialized_start=959
+  _globals['_RUNSESSIONREQUEST']._serialized_end=1123
+  _globals['_SESSIONOPENED']._serialized_start=1125
+  _globals['_SESSIONOPENED']._serialized_end=1154
+  _globals['_STEPRESULT']._serialized_start=1157
+  _globals['_STEPRESULT']._serialized_end=1300
+  _globals['_RUNSESSIONRESPONSE']._serialized_start=1303
+  _globals['_RUNSESSIONRESPONSE']._serialized_end=1488
+  _globals['_TARGETSERVICE']._serialized_start=1491
+  _globals['_TARGETSERVICE']._serialized_end=1869
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_context_tokens", "tap_layer_ids", "max_block_tokens", "hidden_size", "device", "max_sessions", "session_socket")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_context_tokens", "tap_layer_ids", "max_block_tokens", "hidden_size", "device", "max_sessions", "session_socket", "session_spin_us")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class GetInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SPIN_US_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -33,7 +34,8 @@ class GetInfoResponse(_message.Message):
     device: str
     max_sessions: int
     session_socket: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., tap_layer_ids: _Optional[_Iterable[int]] = ..., max_block_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., device: _Optional[str] = ..., max_sessions: _Optional[int] = ..., session_socket: _Optional[str] = ...) -> None: ...
+    session_spin_us: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., tap_layer_ids: _Optional[_Iterable[int]] = ..., max_block_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., device: _Optional[str] = ..., max_sessions: _Optional[int] = ..., session_socket: _Optional[str] = ..., session_spin_us: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from dflash_serve.errors import ConfigError
 
@@ -70,9 +69,9 @@ class ServiceSettings:
         """Where to serve the session socket: the path given, or a fresh one for "auto"."""
         if self.session_socket != "auto":
             return self.session_socket
-        import tempfile
+        from dflash_serve.session_socket.server import auto_socket_path
 
-        return str(Path(tempfile.mkdtemp(prefix=f"dflash-{service}-")) / "session.sock")
+        return auto_socket_path(service)
 
     def session_spin_s(self) -> float:
         if self.session_spin_us is not None:

@@ -31,8 +31,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return await self.answer(context, drafter_pb2.GetStatsResponse, lambda r: r.stats())
 
     async def session_responses(self, requests, on_open):
-        """One session stream, whatever carries it: the responses to `requests`; raises
-        DflashError for a request it refuses (after closing the session)."""
+        """ModelServicer.session_responses; raises DflashError for a request it refuses
+        (after closing the session)."""
         session = None
         messages = aiter(requests)
         try:

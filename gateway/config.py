@@ -28,8 +28,8 @@ class GatewayConfig:
     # "auto": sessions on a service's local session socket when it offers one on this host
     # (cheaper per step than gRPC), else gRPC; "grpc": always gRPC.
     session_transport: str = "auto"
-    # How long a socket session polls for each response before sleeping; None: 20 ms when the
-    # service runs on a GPU, else 0 (gateway.session_calls).
+    # How long a socket session polls for each response before sleeping; None: as long as
+    # the service polls for requests (its GetInfo: 20 ms on the GPU fast path, else 0).
     session_spin_us: int | None = None
 
     def validate(self) -> None:

@@ -39,11 +39,12 @@ class DrafterClient:
             drafter_pb2.RunSessionResponse,
             session_transport,
             session_spin_us,
+            refresh=self.info,
         )
 
     async def info(self) -> DrafterInfo:
         r = await self.stub.GetInfo(drafter_pb2.GetInfoRequest(), timeout=self.rpc_timeout_s)
-        self.sessions.use_socket_if_local(r.session_socket, r.device)
+        self.sessions.use_socket_if_local(r.session_socket, r.session_spin_us)
         return DrafterInfo(
             r.model_name,
             r.target_model_name,
@@ -71,8 +72,12 @@ class DrafterClient:
         open_message = drafter_pb2.OpenSession(feature_transport=TRANSPORTS[transport])
         if shared_buffer is not None:
             open_message.shared_buffer.CopyFrom(shared_buffer_message(shared_buffer))
-        await call.write(drafter_pb2.RunSessionRequest(open=open_message))
-        return RemoteDrafterSession(call, (await read_event(call, "opened")).slot)
+        try:
+            await call.write(drafter_pb2.RunSessionRequest(open=open_message))
+            return RemoteDrafterSession(call, (await read_event(call, "opened")).slot)
+        except BaseException:  # refused, failed or cancelled: end the stream now
+            call.cancel()
+            raise
 
     async def close(self) -> None:
         await self.channel.close()

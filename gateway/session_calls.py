@@ -4,14 +4,19 @@ else over gRPC. Both carry the same messages; callers cannot tell them apart."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import stat
+from collections.abc import Awaitable, Callable
 
 from dflash_serve.session_socket.call import SessionSocketCall
-from dflash_serve.session_socket.framing import GPU_SPIN_US
 
 logger = logging.getLogger(__name__)
+
+# After the socket failed, sessions go over gRPC and GetInfo is asked again (a restarted
+# service has a new socket) at most this often.
+REFRESH_AFTER_FAILURE_S = 5.0
 
 
 def is_local_socket(path: str) -> bool:
@@ -22,10 +27,11 @@ def is_local_socket(path: str) -> bool:
 
 
 class SessionCalls:
-    """`open` gives a stream call for one session; "auto" prefers the socket the service
+    """`open` gives a stream call for one session. "auto" prefers the socket the service
     reported in GetInfo (`use_socket_if_local`), "grpc" never uses one. `spin_us`: how long
-    a socket session polls for each response before sleeping; None: GPU_SPIN_US when the
-    service runs on a GPU, else 0 (`use_socket_if_local` learns its device)."""
+    a socket session polls for each response before sleeping; None: as long as the service
+    polls for requests (GetInfo's session_spin_us). `refresh`: asks GetInfo again (it calls
+    `use_socket_if_local`), after the socket failed."""
 
     def __init__(
         self,
@@ -33,11 +39,15 @@ class SessionCalls:
         response_type: type,
         transport: str = "auto",
         spin_us: int | None = None,
+        refresh: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self._run_session = run_session  # the gRPC stub's RunSession
         self._response_type = response_type
         self._transport = transport
         self._spin_us = spin_us
+        self._refresh = refresh
+        self._refreshed_at = float("-inf")
+        self._refreshing: asyncio.Future | None = None
         self.socket_path: str | None = None
         self.spin_s = 0.0
 
@@ -45,15 +55,12 @@ class SessionCalls:
     def transport(self) -> str:
         return "socket" if self.socket_path else "grpc"
 
-    def use_socket_if_local(self, path: str, device: str = "cpu") -> None:
-        """`path`: GetInfoResponse.session_socket (empty: the service offers none), `device`
-        the service's. A path absent here means the service runs on another host (or
-        container)."""
+    def use_socket_if_local(self, path: str, service_spin_us: int = 0) -> None:
+        """`path`: GetInfoResponse.session_socket (empty: the service offers none); a path
+        absent here means the service runs on another host (or container)."""
         usable = self._transport == "auto" and bool(path) and is_local_socket(path)
         self.socket_path = path if usable else None
-        spin_us = self._spin_us
-        if spin_us is None:
-            spin_us = GPU_SPIN_US if device.startswith("cuda") else 0
+        spin_us = service_spin_us if self._spin_us is None else self._spin_us
         self.spin_s = spin_us / 1e6
 
     async def open(self, timeout_s: float | None):
@@ -67,4 +74,19 @@ class SessionCalls:
                     "session socket %s unusable (%s); using gRPC", self.socket_path, error
                 )
                 self.socket_path = None
+                self._schedule_refresh()
         return self._run_session(timeout=timeout_s)
+
+    def _schedule_refresh(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._refresh is None or loop.time() - self._refreshed_at < REFRESH_AFTER_FAILURE_S:
+            return
+        self._refreshed_at = loop.time()
+
+        async def refresh() -> None:
+            try:
+                await self._refresh()
+            except Exception as error:  # the service may be down: gRPC until the next try
+                logger.info("could not ask for the session socket again: %s", error)
+
+        self._refreshing = asyncio.ensure_future(refresh())

@@ -54,11 +54,12 @@ class TargetClient:
             target_pb2.RunSessionResponse,
             session_transport,
             session_spin_us,
+            refresh=self.info,
         )
 
     async def info(self) -> TargetInfo:
         r = await self.stub.GetInfo(target_pb2.GetInfoRequest(), timeout=self.rpc_timeout_s)
-        self.sessions.use_socket_if_local(r.session_socket, r.device)
+        self.sessions.use_socket_if_local(r.session_socket, r.session_spin_us)
         return TargetInfo(
             r.model_name,
             r.vocab_size,
@@ -94,8 +95,12 @@ class TargetClient:
             ),
             feature_transport=TRANSPORTS[transport],
         )
-        await call.write(target_pb2.RunSessionRequest(open=open_message))
-        return RemoteTargetSession(call, (await read_event(call, "opened")).slot)
+        try:
+            await call.write(target_pb2.RunSessionRequest(open=open_message))
+            return RemoteTargetSession(call, (await read_event(call, "opened")).slot)
+        except BaseException:  # refused, failed or cancelled: end the stream now
+            call.cancel()
+            raise
 
     async def close(self) -> None:
         await self.channel.close()

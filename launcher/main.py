@@ -101,7 +101,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         "--session-spin-us",
         type=int,
         help="how long a session on the local socket polls for its next response before "
-        "sleeping (default: 20000 when the service runs on a GPU, else 0)",
+        "sleeping (default: as long as the service polls for requests, which it reports)",
     )
 
 

@@ -49,8 +49,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         return target_pb2.GetFeatureBufferResponse(buffer=shared_buffer_message(info))
 
     async def session_responses(self, requests, on_open):
-        """One session stream, whatever carries it: the responses to `requests`; raises
-        DflashError for a request it refuses (after closing the session)."""
+        """ModelServicer.session_responses; raises DflashError for a request it refuses
+        (after closing the session)."""
         session, transport = None, "none"
         try:
             async for message in requests:

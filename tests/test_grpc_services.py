@@ -227,13 +227,14 @@ def test_cancelled_stream_and_deadline_free_the_slot(services, transport):
             await call.write(open_message())
             await call.read()
             await asyncio.sleep(1.0)
+            # The service freed the slot at the deadline, the client doing nothing meanwhile.
+            assert await active_sessions(stub) == 0
             if transport == "grpc":
                 assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             else:
                 with pytest.raises(grpc.aio.AioRpcError) as raised:
                     await call.read()
                 assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert await wait_for_active(stub, 0) == 0
 
     asyncio.run(run())
 
@@ -321,6 +322,31 @@ def test_sigterm_drains_and_exits_cleanly(causal_lm_dir):
     assert service.process.wait(timeout=20) == 0
     assert any("draining" in line for line in service.log)
     assert not os.path.exists(path)  # the session socket is removed on the way out
+
+
+def test_sigterm_lets_an_open_socket_session_finish_within_the_grace_period(causal_lm_dir):
+    service = start_service(["target", "--model", str(causal_lm_dir), "--grace-period-s", "20"])
+
+    async def run():
+        client = TargetClient(service.address)
+        await client.info()
+        assert client.sessions.transport == "socket"
+        session = await client.open(SamplingParams(), "none", timeout_s=30)
+        first = await session.prefill([5, 17, 33])
+        service.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)  # draining now
+        step = await session.verify([first.token_ids[-1]])  # the open session goes on
+        await session.close()
+        await client.close()
+        return step
+
+    try:
+        step = asyncio.run(run())
+        assert len(step.token_ids) == 1
+        assert service.process.wait(timeout=10) == 0  # well before the 20 s grace: none open
+        assert any("draining" in line for line in service.log)
+    finally:
+        service.stop()
 
 
 def test_without_a_session_socket_clients_use_grpc(causal_lm_dir):

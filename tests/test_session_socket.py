@@ -61,6 +61,24 @@ def test_frames_round_trip_and_bad_frames_are_refused():
         frame(REQUEST, bytes(MAX_MESSAGE_BYTES + 1))
 
 
+def test_a_frame_arriving_a_byte_at_a_time_is_read_whole():
+    async def run():
+        reader = asyncio.StreamReader()
+        data = frame(REQUEST, verify(*range(16)).SerializeToString())
+
+        async def trickle():
+            for index in range(len(data)):
+                reader.feed_data(data[index : index + 1])
+                await asyncio.sleep(0)
+
+        feeding = asyncio.ensure_future(trickle())
+        got = await asyncio.wait_for(read_frame(reader), 5)
+        await feeding
+        return got
+
+    assert asyncio.run(run()) == (REQUEST, verify(*range(16)).SerializeToString())
+
+
 class EchoSessions:
     """A stand-in servicer: answers each verify with its block reversed; records closes."""
 
@@ -193,22 +211,89 @@ def test_client_sees_deadline_broken_connection_and_end_of_stream(tmp_path):
 
 def test_draining_refuses_new_sessions_and_lets_open_ones_finish(tmp_path):
     async def run():
-        server = await serving(tmp_path, EchoSessions())
+        sessions = EchoSessions()
+        server = await serving(tmp_path, sessions)
         call = await SessionSocketCall.connect(server.path, Response)
         await call.write(verify(1, 2))
         await call.read()  # the session has begun
-        server.stop_accepting()
+        draining = asyncio.ensure_future(server.drain(grace_s=30))
+        await asyncio.sleep(0)
         late = await SessionSocketCall.connect(server.path, Response)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await asyncio.sleep(0.05)  # the service has answered and hung up
             await late.write(verify(1))
             await late.read()
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "shutting down" in raised.value.details()
-        await call.write(verify(4, 5))
+        await call.write(verify(4, 5))  # the open session goes on during the grace period
         assert list((await call.read()).step.token_ids) == [5, 4]
+        assert not draining.done()
+        call.cancel()
+        await asyncio.wait_for(draining, 5)  # done as soon as the open session ended
+        assert sessions.closed.is_set()
         await server.close()
-        assert await call.read() is grpc.aio.EOF  # closing ends the open session too
+
+    asyncio.run(run())
+
+
+def test_a_session_still_open_after_the_grace_period_is_ended_and_closed(tmp_path):
+    async def run():
+        sessions = EchoSessions()
+        server = await serving(tmp_path, sessions)
+        call = await SessionSocketCall.connect(server.path, Response)
+        await call.write(verify(1))
+        await call.read()
+        await asyncio.wait_for(server.drain(grace_s=0.2), 5)
+        assert sessions.closed.is_set()  # before drain returned: the runtime may close next
+        assert await call.read() is grpc.aio.EOF
+        await server.close()
+
+    asyncio.run(run())
+
+
+def test_the_service_ends_a_session_at_its_deadline(tmp_path):
+    """The client tells the service its deadline; the service frees the session when it
+    passes even if the client never reads again (as gRPC's deadline does)."""
+
+    async def run():
+        sessions = EchoSessions()
+        server = await serving(tmp_path, sessions)
+        call = await SessionSocketCall.connect(server.path, Response, timeout_s=0.3)
+        await call.write(verify(3))
+        await call.read()
+        await asyncio.sleep(0.6)
+        closed_by_service = sessions.closed.is_set()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call.read()
+        await server.close()
+        return closed_by_service, raised.value.code()
+
+    assert asyncio.run(run()) == (True, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_what_lies_at_the_socket_path(tmp_path):
+    async def run():
+        path = tmp_path / "s.sock"
+        path.write_text("not a socket")
+        with pytest.raises(ConfigError, match="not a socket"):
+            await SessionSocketServer(str(path), Request, EchoSessions().session_responses).start()
+        path.unlink()
+        first = await serving(tmp_path, EchoSessions())
+        with pytest.raises(ConfigError, match="another process"):
+            await serving(tmp_path, EchoSessions())
+        stale = socket.socket(socket.AF_UNIX)
+        stale_path = str(tmp_path / "stale.sock")
+        stale.bind(stale_path)  # a socket file nobody listens on (its service was killed)
+        stale.close()
+        taker = SessionSocketServer(stale_path, Request, EchoSessions().session_responses)
+        await taker.start()  # replaces it
+        await taker.close()
+        # A path taken over by a newer server is not removed by the older one's close.
+        os.unlink(first.path)
+        second = await serving(tmp_path, EchoSessions())
+        await first.close()
+        assert os.path.exists(second.path)
+        await second.close()
+        assert not os.path.exists(second.path)
 
     asyncio.run(run())
 
@@ -306,12 +391,12 @@ def test_a_spinning_reader_gets_frames_that_come_during_and_after_its_spin(spin_
 
 def test_spinning_is_for_sessions_on_a_gpu_unless_set():
     calls = SessionCalls(FakeGrpc(), Response)
-    calls.use_socket_if_local("", "cuda:0")
+    calls.use_socket_if_local("", service_spin_us=20_000)  # the client follows the service
     assert calls.spin_s == 0.02
-    calls.use_socket_if_local("", "cpu")
+    calls.use_socket_if_local("", service_spin_us=0)
     assert calls.spin_s == 0
     calls = SessionCalls(FakeGrpc(), Response, spin_us=500)
-    calls.use_socket_if_local("", "cpu")
+    calls.use_socket_if_local("", service_spin_us=0)
     assert calls.spin_s == 0.0005
     assert ServiceSettings(device="cuda").session_spin_s() == 0.02
     assert ServiceSettings(device="cuda", gpu_fast_path=False).session_spin_s() == 0
@@ -319,3 +404,65 @@ def test_spinning_is_for_sessions_on_a_gpu_unless_set():
     assert ServiceSettings(device="cpu", session_spin_us=100).session_spin_s() == 0.0001
     with pytest.raises(ConfigError, match="session_spin_us"):
         ServiceSettings(session_spin_us=-1).validate("drafter")
+
+
+def test_an_unexpected_failure_reads_the_same_on_grpc_and_on_the_socket(tmp_path):
+    """Both carriers report a bug inside a session as INTERNAL with the same message."""
+    from dflash_serve.grpc_support.model_servicer import ModelServicer
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def add_done_callback(self, callback):
+            pass
+
+        async def abort(self, status, message):
+            self.status = status, message
+            raise Aborted
+
+    class Failing(ModelServicer):
+        session_responses = EchoSessions(fail_with=RuntimeError("boom")).session_responses
+
+    async def run():
+        async def one_request():
+            yield verify(1)
+
+        context = Context()
+        with pytest.raises(Aborted):
+            async for _ in Failing().RunSession(one_request(), context):
+                pass
+        server = await serving(tmp_path, EchoSessions(fail_with=RuntimeError("boom")))
+        call = await SessionSocketCall.connect(server.path, Response)
+        await call.write(verify(1))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call.read()
+        await server.close()
+        return context.status, (raised.value.code(), raised.value.details())
+
+    over_grpc, over_socket = asyncio.run(run())
+    assert (
+        over_grpc == over_socket == (grpc.StatusCode.INTERNAL, "internal error: RuntimeError: boom")
+    )
+
+
+def test_a_message_too_large_for_a_frame_is_resource_exhausted(tmp_path, monkeypatch):
+    from dflash_serve.session_socket import framing
+
+    monkeypatch.setattr(framing, "MAX_MESSAGE_BYTES", 64)
+
+    async def run():
+        server = await serving(tmp_path, EchoSessions())
+        codes = []
+        call = await SessionSocketCall.connect(server.path, Response)
+        try:
+            await call.write(verify(*range(100)))  # the client's request
+        except grpc.aio.AioRpcError as error:
+            codes.append(error.code())
+        await call.write(verify(*range(20)))  # the session goes on with messages that fit
+        assert list((await call.read()).step.token_ids) == list(range(20))[::-1]
+        call.cancel()
+        await server.close()
+        return codes
+
+    assert asyncio.run(run()) == [grpc.StatusCode.RESOURCE_EXHAUSTED]

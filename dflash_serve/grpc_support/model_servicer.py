@@ -28,10 +28,14 @@ class ModelServicer:
     def __init__(self) -> None:
         self.runtime: Any = None
         self.session_socket_path = ""  # set while the local session socket is served
+        self.session_spin_us = 0
 
     def info_fields(self, runtime) -> dict:
-        """GetInfo's fields: the runtime's facts and where the session socket is."""
-        return asdict(runtime.info) | {"session_socket": self.session_socket_path}
+        """GetInfo's fields: the runtime's facts and the session socket's."""
+        return asdict(runtime.info) | {
+            "session_socket": self.session_socket_path,
+            "session_spin_us": self.session_spin_us,
+        }
 
     def ready(self) -> Any:
         if self.runtime is None:
@@ -59,7 +63,7 @@ class ModelServicer:
             )
             async for response in responses:
                 yield response
-        except DflashError as error:
+        except Exception as error:  # DflashError's status, else INTERNAL (as on the socket)
             await abort_with(context, error)
 
     def session_responses(self, requests, on_open: Callable[[Any], None]):
@@ -97,7 +101,8 @@ async def serve_model(
         )
         await socket_server.start()
         servicer.session_socket_path = socket_server.path
-        server.on_drain(socket_server.stop_accepting)
+        servicer.session_spin_us = round(settings.session_spin_s() * 1e6)
+        server.on_drain(socket_server.drain)
     server.stop_on_signals(settings.grace_period_s)
     logger.info("%s service listening on %s:%d; loading %s", kind, settings.host, port, model_name)
     if socket_server is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,10 +45,11 @@ class GrpcServer:
         )
         self.port = 0
         self._stopped = asyncio.Event()
-        self._drain_callbacks: list[Callable[[], None]] = []
+        self._drain_callbacks: list[Callable[[float], Awaitable[None]]] = []
 
-    def on_drain(self, callback: Callable[[], None]) -> None:
-        """Call `callback` when draining starts (before the grace period)."""
+    def on_drain(self, callback: Callable[[float], Awaitable[None]]) -> None:
+        """When draining starts, run `callback(grace_s)` beside gRPC's own drain (the
+        session socket drains its sessions so)."""
         self._drain_callbacks.append(callback)
 
     async def start(self) -> int:
@@ -79,10 +80,9 @@ class GrpcServer:
         if self._stopped.is_set():
             return
         logger.info("draining (grace %.1f s)", grace_s)
-        for callback in self._drain_callbacks:
-            callback()
         await self.set_serving(False)
-        await self.server.stop(grace_s)
+        drains = [callback(grace_s) for callback in self._drain_callbacks]
+        await asyncio.gather(self.server.stop(grace_s), *drains)
         self._stopped.set()
 
     async def wait_until_stopped(self) -> None:

@@ -13,8 +13,9 @@ import asyncio
 
 import grpc
 
-from dflash_protos.session_socket_pb2 import SessionError
+from dflash_protos.session_socket_pb2 import SessionDeadline, SessionError
 from dflash_serve.session_socket.framing import (
+    DEADLINE,
     ERROR,
     REQUEST,
     RESPONSE,
@@ -45,28 +46,37 @@ class SessionSocketCall:
         cls, path: str, response_type: type, timeout_s: float | None = None, spin_s: float = 0.0
     ) -> SessionSocketCall:
         """Connect to the service's socket (OSError when nothing listens there);
-        `timeout_s` is the deadline of the whole session, as gRPC's `timeout`; `spin_s`: how
-        long `read` polls for a response before sleeping (framing.read_frame)."""
+        `timeout_s` is the deadline of the whole session, as gRPC's `timeout` (the service
+        is told it too, and ends the session when it passes); `spin_s`: how long `read`
+        polls for a response before sleeping (framing.read_frame)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        reader, writer = await asyncio.open_unix_connection(path)
-        return cls(reader, writer, response_type, deadline, spin_s)
+        async with asyncio.timeout_at(deadline):
+            reader, writer = await asyncio.open_unix_connection(path)
+        call = cls(reader, writer, response_type, deadline, spin_s)
+        if timeout_s is not None:
+            told = SessionDeadline(timeout_us=max(round(timeout_s * 1e6), 1))
+            writer.write(frame(DEADLINE, told.SerializeToString()))
+        return call
 
     async def write(self, message) -> None:
         try:
             self._writer.write(frame(REQUEST, message.SerializeToString()))
-            await self._writer.drain()
+            async with asyncio.timeout_at(self._deadline):
+                await self._writer.drain()
+        except FrameError as error:
+            raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from error
+        except TimeoutError as error:
+            self.cancel()
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from error
         except ConnectionError as error:
             self.cancel()
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"session socket: {error}") from error
 
     async def read(self):
         try:
-            if self._deadline is None:
+            async with asyncio.timeout_at(self._deadline):
                 received = await read_frame(self._reader, self._spin_s)
-            else:
-                async with asyncio.timeout_at(self._deadline):
-                    received = await read_frame(self._reader, self._spin_s)
         except TimeoutError as error:
             self.cancel()
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from error

@@ -6,10 +6,11 @@ import asyncio
 
 from dflash_serve.grpc_support.server import MAX_MESSAGE_BYTES
 
+DEADLINE = b"D"
 REQUEST = b"Q"
 RESPONSE = b"A"
 ERROR = b"E"
-KINDS = (REQUEST, RESPONSE, ERROR)
+KINDS = (DEADLINE, REQUEST, RESPONSE, ERROR)
 HEADER_BYTES = 5
 # How long a reader on the GPU fast path polls for the next frame before sleeping: longer
 # than a verify step, so a session in step never sleeps (on the H200 host that halved each
