@@ -33,6 +33,7 @@ from dflash_serve.checkpoint.synthetic import (
     write_drafter,
     write_target,
 )
+from dflash_serve.startup_heap import freeze_startup_objects
 
 logger = logging.getLogger("bench")
 TAUS = (1, 3, 6, 10)
@@ -166,6 +167,7 @@ class Suite:
         from gateway.drafter_client import DrafterClient
         from gateway.target_client import TargetClient
 
+        freeze_startup_objects()  # as the gateway does: no full collection mid-measurement
         target, drafter = TargetClient(target_address), DrafterClient(drafter_address)
         await target.info(), await drafter.info()  # finds the local session sockets
         self.results["sessions_on"] = target.sessions.transport

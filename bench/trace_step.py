@@ -41,6 +41,7 @@ from dflash_serve.checkpoint.synthetic import (
     write_drafter,
     write_target,
 )
+from dflash_serve.startup_heap import freeze_startup_objects
 
 # One step, in the order it happens; the engines' time is thread_start → thread_end.
 STEP_EVENTS = [
@@ -111,6 +112,7 @@ async def run_requests(target_address, drafter_address, args, vocab) -> int:
     from gateway.drafter_client import DrafterClient
     from gateway.target_client import TargetClient
 
+    freeze_startup_objects()  # as the gateway does: no full collection mid-measurement
     sessions = args.session_transport
     target = TargetClient(target_address, session_transport=sessions)
     drafter = DrafterClient(drafter_address, session_transport=sessions)

@@ -9,6 +9,7 @@ import signal
 
 from aiohttp import web
 
+from dflash_serve.startup_heap import freeze_startup_objects
 from gateway.backends import Backends
 from gateway.config import GatewayConfig
 from gateway.generation import Generator
@@ -41,7 +42,11 @@ def build_app(config: GatewayConfig, tokenizer) -> tuple[web.Application, Backen
     return app, backends
 
 
-async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> None:
+async def serve(
+    config: GatewayConfig, ready: asyncio.Event | None = None, freeze_startup: bool = False
+) -> None:
+    """Serve until SIGTERM/SIGINT. `freeze_startup` (a gateway process of its own): once
+    listening, keep the garbage collector off everything start-up made (startup_heap)."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer_path)
     app, backends = build_app(config, tokenizer)
     runner = web.AppRunner(app, handler_cancellation=True)
@@ -56,6 +61,8 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         loop.add_signal_handler(sig, stopped.set)
     connecting = asyncio.ensure_future(backends.connect())
     connecting.add_done_callback(_report_connect_failure)
+    if freeze_startup:
+        freeze_startup_objects()  # the tokenizer, routes, clients and every import
     if ready is not None:
         ready.set()
     await stopped.wait()

@@ -225,7 +225,7 @@ def run_gateway(args: argparse.Namespace) -> None:
     from gateway.app import serve
 
     config = gateway_config(args, args.target_address, args.drafter_address, args.tokenizer)
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, freeze_startup=True))
 
 
 def run_up(args: argparse.Namespace) -> None:
@@ -266,7 +266,7 @@ def run_up(args: argparse.Namespace) -> None:
         config = gateway_config(
             args, children[0].address, children[1].address if drafter else None, target
         )
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, freeze_startup=True))
     finally:
         for child in children:
             child.stop()

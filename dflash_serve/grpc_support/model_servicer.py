@@ -16,6 +16,7 @@ from dflash_serve.grpc_support.errors import abort_with
 from dflash_serve.grpc_support.server import GrpcServer, close_when_done
 from dflash_serve.service_settings import ServiceSettings
 from dflash_serve.session_socket.server import SessionSocketServer
+from dflash_serve.startup_heap import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ async def serve_model(
     if socket_server is not None:
         logger.info("%s sessions also on the local socket %s", kind, socket_server.path)
     servicer.runtime = await asyncio.to_thread(load_runtime)
+    freeze_startup_objects()
     await server.set_serving(True)
     logger.info("%s service ready on %s:%d", kind, settings.host, port)
     await server.wait_until_stopped()
