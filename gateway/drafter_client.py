@@ -15,8 +15,7 @@ from dflash_serve.grpc_support.feature_messages import (
 )
 from dflash_serve.grpc_support.server import CHANNEL_OPTIONS
 from dflash_serve.service_info import DrafterInfo
-from gateway.session_calls import SessionCalls
-from gateway.target_client import read_event
+from gateway.session_calls import SessionCalls, read_event
 
 
 class DrafterClient:
@@ -68,16 +67,11 @@ class DrafterClient:
         shared_buffer: SharedBufferInfo | None = None,
         timeout_s: float | None = None,
     ) -> RemoteDrafterSession:
-        call = await self.sessions.open(timeout_s)
         open_message = drafter_pb2.OpenSession(feature_transport=TRANSPORTS[transport])
         if shared_buffer is not None:
             open_message.shared_buffer.CopyFrom(shared_buffer_message(shared_buffer))
-        try:
-            await call.write(drafter_pb2.RunSessionRequest(open=open_message))
-            return RemoteDrafterSession(call, (await read_event(call, "opened")).slot)
-        except BaseException:  # refused, failed or cancelled: end the stream now
-            call.cancel()
-            raise
+        request = drafter_pb2.RunSessionRequest(open=open_message)
+        return RemoteDrafterSession(*await self.sessions.start(request, timeout_s))
 
     async def close(self) -> None:
         await self.channel.close()

@@ -23,8 +23,8 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import ApiError, bad_request
 from gateway.schemas import GenerationRequest
+from gateway.session_calls import TargetStreamEndedError
 from gateway.stop_strings import StopStringMatcher
-from gateway.target_client import TargetStreamEndedError
 
 logger = logging.getLogger(__name__)
 

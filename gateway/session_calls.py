@@ -10,6 +10,8 @@ import os
 import stat
 from collections.abc import Awaitable, Callable
 
+import grpc
+
 from dflash_serve.session_socket.call import SessionSocketCall
 
 logger = logging.getLogger(__name__)
@@ -17,6 +19,18 @@ logger = logging.getLogger(__name__)
 # After the socket failed, sessions go over gRPC and GetInfo is asked again (a restarted
 # service has a new socket) at most this often.
 REFRESH_AFTER_FAILURE_S = 5.0
+
+
+class TargetStreamEndedError(ConnectionError):
+    """The target closed a session stream without an error status (e.g. it shut down)."""
+
+
+async def read_event(call, field: str):
+    """The next response's `field`; a stream that ended early raises TargetStreamEndedError."""
+    response = await call.read()
+    if response is grpc.aio.EOF or response.WhichOneof("event") != field:
+        raise TargetStreamEndedError(f"the session stream ended while waiting for {field}")
+    return getattr(response, field)
 
 
 def is_local_socket(path: str) -> bool:
@@ -76,6 +90,18 @@ class SessionCalls:
                 self.socket_path = None
                 self._schedule_refresh()
         return self._run_session(timeout=timeout_s)
+
+    async def start(self, open_request, timeout_s: float | None) -> tuple[object, int]:
+        """Open a stream and its session with `open_request` (the service's RunSessionRequest
+        carrying `open`): the call and the slot the service gave the session. A refused,
+        failed or cancelled start ends the stream at once."""
+        call = await self.open(timeout_s)
+        try:
+            await call.write(open_request)
+            return call, (await read_event(call, "opened")).slot
+        except BaseException:
+            call.cancel()
+            raise
 
     def _schedule_refresh(self) -> None:
         loop = asyncio.get_running_loop()

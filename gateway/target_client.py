@@ -19,19 +19,7 @@ from dflash_serve.grpc_support.feature_messages import (
 from dflash_serve.grpc_support.server import CHANNEL_OPTIONS
 from dflash_serve.service_info import TargetInfo
 from dflash_serve.speculative.types import SamplingParams, TargetStep
-from gateway.session_calls import SessionCalls
-
-
-class TargetStreamEndedError(ConnectionError):
-    """The target closed a session stream without an error status (e.g. it shut down)."""
-
-
-async def read_event(call, field: str):
-    """The next response's `field`; a stream that ended early raises TargetStreamEndedError."""
-    response = await call.read()
-    if response is grpc.aio.EOF or response.WhichOneof("event") != field:
-        raise TargetStreamEndedError(f"the session stream ended while waiting for {field}")
-    return getattr(response, field)
+from gateway.session_calls import SessionCalls, read_event
 
 
 class TargetClient:
@@ -85,7 +73,6 @@ class TargetClient:
         self, sampling: SamplingParams, transport: str, timeout_s: float | None = None
     ) -> RemoteTargetSession:
         """Open a session stream; `timeout_s` is the deadline of the whole request."""
-        call = await self.sessions.open(timeout_s)
         open_message = target_pb2.OpenSession(
             sampling=target_pb2.SamplingParams(
                 temperature=sampling.temperature,
@@ -95,12 +82,8 @@ class TargetClient:
             ),
             feature_transport=TRANSPORTS[transport],
         )
-        try:
-            await call.write(target_pb2.RunSessionRequest(open=open_message))
-            return RemoteTargetSession(call, (await read_event(call, "opened")).slot)
-        except BaseException:  # refused, failed or cancelled: end the stream now
-            call.cancel()
-            raise
+        request = target_pb2.RunSessionRequest(open=open_message)
+        return RemoteTargetSession(*await self.sessions.start(request, timeout_s))
 
     async def close(self) -> None:
         await self.channel.close()

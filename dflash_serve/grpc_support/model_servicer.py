@@ -94,15 +94,13 @@ async def serve_model(
     kind = servicer.kind
     socket_server = None
     if settings.session_socket != "off":
+        spin_s = settings.session_spin_s()
         socket_server = SessionSocketServer(
-            settings.session_socket_path(kind),
-            request_type,
-            servicer.session_responses,
-            settings.session_spin_s(),
+            settings.session_socket_path(kind), request_type, servicer.session_responses, spin_s
         )
         await socket_server.start()
         servicer.session_socket_path = socket_server.path
-        servicer.session_spin_us = round(settings.session_spin_s() * 1e6)
+        servicer.session_spin_us = round(spin_s * 1e6)
         server.on_drain(socket_server.drain)
     server.stop_on_signals(settings.grace_period_s)
     logger.info("%s service listening on %s:%d; loading %s", kind, settings.host, port, model_name)
