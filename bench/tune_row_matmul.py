@@ -8,10 +8,13 @@ dflash_serve/kernels/row_matmul_configs.json, with the machine and the timings; 
 re-tunes only the 4-bit shapes and keeps the dense entries (each timing names its commit).
 
     python -m bench.tune_row_matmul [--jobs 16] [--kinds dense,int4] [--row-tiles-only]
+                                    [--against-tuned --block-ms 64]
 
 `--row-tiles-only` keeps each tuned entry's tiles and split-K and sweeps its row tiles per
 program (1, 2, 4, 8) only: a minute instead of five, for entries tuned before row tiles
 existed. Row tiles change which rows share a weight tile, never a row's arithmetic.
+`--against-tuned` times each tuned entry against the sweep of `--block-ms` only (64: Hopper's
+warpgroup MMA, rows in tiles of 64), keeping whichever wins.
 """
 
 from __future__ import annotations
@@ -43,11 +46,20 @@ GROUP = 128
 CALLS_PER_GRAPH = 20
 
 
-def candidates(n: int, k: int, group: int | None) -> list[MatmulConfig]:
+# Row tiles per program worth trying for each row-tile height: 64-row tiles hold 4x the
+# accumulator registers of 16-row ones, and 128 rows (8 verify blocks) are 2 of them.
+ROW_TILES_FOR_BLOCK_M = {16: (1, 4, 8), 64: (1, 2)}
+
+
+def candidates(
+    n: int, k: int, group: int | None, block_ms: tuple[int, ...] = (16, 64)
+) -> list[MatmulConfig]:
     """Tile sizes, split-K and row tiles per program. (32-wide tiles, BLOCK_K 32 and 8 warps
     never won in the earlier sweeps on the H200, f8a438b and 48f68c5, so they are left out.)"""
     configs = {}
-    for block_n, block_k, row_tiles in itertools.product((64, 128), (64, 128), (1, 4, 8)):
+    tilings = [(block_m, row_tiles) for block_m in block_ms
+               for row_tiles in ROW_TILES_FOR_BLOCK_M[block_m]]  # fmt: skip
+    for block_n, block_k, (block_m, row_tiles) in itertools.product((64, 128), (64, 128), tilings):
         if block_n > max(16, triton.next_power_of_2(n)) * 2:
             continue
         if group is not None and group % block_k:
@@ -55,7 +67,8 @@ def candidates(n: int, k: int, group: int | None) -> list[MatmulConfig]:
         num_blocks = triton.cdiv(k, block_k)
         for wanted in (1, 2, 4, 8, 16):
             per_split = triton.cdiv(num_blocks, wanted)
-            configs[MatmulConfig.over_splits(k, block_n, block_k, per_split, row_tiles)] = None
+            config = MatmulConfig.over_splits(k, block_n, block_k, per_split, row_tiles, block_m)
+            configs[config] = None
     return list(configs)
 
 
@@ -119,7 +132,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=16)
     parser.add_argument("--kinds", default="dense,int4", help="weight kinds to (re-)tune")
     parser.add_argument("--row-tiles-only", action="store_true")
+    parser.add_argument("--against-tuned", action="store_true",
+                        help="each tuned entry against the sweep of --block-ms only")  # fmt: skip
+    parser.add_argument("--block-ms", default="16,64", help="row-tile heights to sweep")
     args = parser.parse_args()
+    block_ms = tuple(int(size) for size in args.block_ms.split(","))
+    if set(block_ms) - set(ROW_TILES_FOR_BLOCK_M):
+        parser.error(f"--block-ms: a comma-separated subset of 16,64, got {args.block_ms!r}")
     kinds = tuple(args.kinds.split(","))
     if not kinds or set(kinds) - {"dense", "int4"}:
         parser.error(f"--kinds: a comma-separated subset of dense,int4, got {args.kinds!r}")
@@ -129,8 +148,12 @@ def main() -> None:
         tuned = kept.get("configs", {})
         todo = [(n, k, g, row_tile_candidates(tuned[config_key(n, k, g)]))
                 for n, k, g in jobs(kinds) if config_key(n, k, g) in tuned]  # fmt: skip
+    elif args.against_tuned:
+        tuned = kept.get("configs", {})
+        todo = [(n, k, g, [MatmulConfig(**tuned[key]), *candidates(n, k, g, block_ms)])
+                for n, k, g in jobs(kinds) if (key := config_key(n, k, g)) in tuned]  # fmt: skip
     else:
-        todo = [(n, k, g, candidates(n, k, g)) for n, k, g in jobs(kinds)]
+        todo = [(n, k, g, candidates(n, k, g, block_ms)) for n, k, g in jobs(kinds)]
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.jobs) as pool:
         print("compiled", sum(pool.map(compile_job, todo)), "candidates", flush=True)
@@ -157,6 +180,8 @@ def main() -> None:
             "gbps_16_rows": bytes_read / t16 / 1e3,
             "candidates": len(results),
         } | ({"swept": "row tiles only"} if args.row_tiles_only else {})
+        if args.against_tuned:
+            timings[key]["swept"] = f"the tuned entry against block_m {args.block_ms}"
         print(key, timings[key], chosen[key], flush=True)
     record = facts | {"configs": chosen, "timings_us": timings}
     if kept.get("note") and keep:  # each entry names its commit; the note says the rest

@@ -150,9 +150,31 @@ def test_row_tiles_per_program_change_no_bit(kind, row_tiles):
     assert_close_to_reference(row_matmul(x, weight, config=shared), x, oracle)
 
 
+@pytest.mark.parametrize("kind", ["dense", "awq"])
+@pytest.mark.parametrize("row_tiles", [1, 2])
+def test_64_row_tiles_keep_rows_independent(kind, row_tiles):
+    """Tiles of 64 rows (Hopper's warpgroup MMA on the GPU): a row's bits do not depend on
+    how many rows share the launch or where in a tile it sits, nor on row tiles per program;
+    100 rows = a full tile and a ragged one."""
+    n, k, group_size = SHAPES[1]
+    weight, oracle = make_weight(kind, n, k, group_size)
+    base = matmul_config(n, k, None if kind == "dense" else group_size)
+    config = dataclasses.replace(base, block_m=64, row_tiles=row_tiles)
+    x = random_rows(100, k, seed=12)
+    y100 = row_matmul(x, weight, config=config)
+    assert_close_to_reference(y100, x, oracle)
+    for rows in (slice(0, 1), slice(0, 16), slice(5, 37), slice(63, 65), slice(70, 100)):
+        assert torch.equal(row_matmul(x[rows], weight, config=config), y100[rows]), rows
+
+
 def test_row_tiles_must_be_a_power_of_two_up_to_8():
     with pytest.raises(ValueError, match="row_tiles must be"):
         dataclasses.replace(matmul_config(*SHAPES[1][:2]), row_tiles=3)
+
+
+def test_block_m_is_16_or_64():
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        dataclasses.replace(matmul_config(*SHAPES[1][:2]), block_m=32)
 
 
 def test_split_sum_order_is_fixed():

@@ -1,10 +1,11 @@
 """`y = x @ Wᵀ` for verify/decode rows (16 tokens × the batch), dense or 4-bit, row-independent.
 
 Speculative output equals target-only output only if a token's result does not depend on how
-many tokens share the launch. Rows are processed in tiles of `BLOCK_M` = 16 and every launch
-parameter comes from the weight's shape and kind alone (`matmul_config`), so each row tile
-runs the same instruction sequence over K whatever M is; padded rows are masked to zero and
-never mix with real ones. Split-K partials are summed by a second kernel in a fixed order,
+many tokens share the launch. Rows are processed in tiles of `block_m` rows (16, or 64 for
+Hopper's warpgroup MMA, which makes a batch of verify blocks nearly as cheap as one) and every
+launch parameter comes from the weight's shape and kind alone (`matmul_config`), so each row
+tile runs the same instruction sequence over K whatever M is; padded rows are masked to zero
+and never mix with real ones. Split-K partials are summed by a second kernel in a fixed order,
 never with atomics.
 
 4-bit weights (AutoAWQ GEMM or compressed-tensors) are repacked once at load into one layout
@@ -37,6 +38,7 @@ from dflash_serve.kernels import FP_FUSION, is_interpreting
 from dflash_serve.kernels.jit_math import round_to
 
 BLOCK_M = 16
+BLOCK_MS = (16, 64)
 NUM_SMS = 132  # H200; a constant, so the config never depends on the machine either
 MIN_PROGRAMS = 2 * NUM_SMS
 MAX_BLOCK_N = 64
@@ -146,10 +148,18 @@ class MatmulConfig:
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4, 8):
             raise ValueError(f"row_tiles must be 1, 2, 4 or 8, got {self.row_tiles}")
+        if self.block_m not in BLOCK_MS:
+            raise ValueError(f"block_m must be one of {BLOCK_MS}, got {self.block_m}")
 
     @classmethod
     def over_splits(
-        cls, k: int, block_n: int, block_k: int, blocks_per_split: int, row_tiles: int = 1
+        cls,
+        k: int,
+        block_n: int,
+        block_k: int,
+        blocks_per_split: int,
+        row_tiles: int = 1,
+        block_m: int = BLOCK_M,
     ) -> MatmulConfig:
         """K cut into splits of `blocks_per_split` BLOCK_K blocks (the last may be shorter),
         4 warps, 3 stages."""
@@ -160,6 +170,7 @@ class MatmulConfig:
             split_k=triton.cdiv(triton.cdiv(k, block_k), blocks_per_split),
             num_warps=4,
             num_stages=3,
+            block_m=block_m,
             row_tiles=row_tiles,
         )
 
@@ -438,9 +449,9 @@ def row_matmul(
     if config.split_k > 1:
         target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
     stride_os, stride_om = (m * n, n) if config.split_k > 1 else (0, out.stride(0))
-    rows_per_program = BLOCK_M * config.row_tiles
+    rows_per_program = config.block_m * config.row_tiles
     grid = (triton.cdiv(m, rows_per_program), triton.cdiv(n, config.block_n), config.split_k)
-    shape_args = {"N": n, "K": k, "K_PER_SPLIT": config.k_per_split, "BLOCK_M": BLOCK_M}
+    shape_args = {"N": n, "K": k, "K_PER_SPLIT": config.k_per_split, "BLOCK_M": config.block_m}
     shape_args |= {"ROW_TILES": config.row_tiles}
     shape_args |= {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT_K": config.split_k}
     is_interpreted = is_interpreting()
