@@ -7,6 +7,8 @@ the device), so speculative decoding reproduces target-only sampling exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from dflash_serve.speculative.types import SamplingParams
@@ -66,3 +68,31 @@ def choose_tokens(
     scores = filter_logits(logits, params).double()
     gumbel = -torch.log(-torch.log(uniform_noise(params.seed, positions, logits.shape[-1])))
     return (scores + gumbel).argmax(dim=-1)
+
+
+def choose_block_tokens(
+    logits: torch.Tensor,
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    params: Sequence[SamplingParams],
+) -> list[list[int]]:
+    """Tokens for a batch of blocks with one host sync: row b of logits [B, T, vocab] has
+    `lengths[b]` real rows predicting absolute positions starts[b] + 1 …; each row b by its
+    own params. Greedy rows share one argmax; each sampled row is `choose_tokens` on its
+    rows. A token depends only on its own logits and position, so this equals choosing
+    each block alone."""
+    greedy = [b for b, p in enumerate(params) if p.is_greedy]
+    if len(greedy) == len(params):
+        chosen = logits.argmax(dim=-1)
+    else:
+        chosen = torch.zeros(logits.shape[:2], dtype=torch.int64, device=logits.device)
+        if greedy:
+            rows = torch.tensor(greedy, device=logits.device)
+            chosen[rows] = logits[rows].argmax(dim=-1)
+        for b, p in enumerate(params):
+            if not p.is_greedy:
+                n = lengths[b]
+                positions = torch.arange(starts[b] + 1, starts[b] + 1 + n, device=logits.device)
+                chosen[b, :n] = choose_tokens(logits[b, :n], positions, p)
+    on_host = chosen.tolist()
+    return [row[:n] for row, n in zip(on_host, lengths, strict=True)]

@@ -19,7 +19,7 @@ from dflash_serve.errors import InvalidRequestError
 from dflash_serve.feature_channel import SharedFeatureBuffer
 from dflash_serve.slots import SlotAllocator
 from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS
-from target_service.model.commit import commit_block
+from target_service.model.commit import commit_blocks
 from target_service.model.decoder import Qwen35TextModel
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.state import StateShape, TargetState
@@ -228,18 +228,30 @@ class TargetEngine:
         self._check_ids(block_ids, "block_ids")
         self._check_room(slot, len(block_ids))
 
-    @torch.inference_mode()
     def commit(self, slot: int, num_kept: int) -> None:
         """Keep the first `num_kept` tokens of the slot's last verified block."""
-        self._check_slot(slot)
-        block_size = self.state.block_sizes[slot]
-        if block_size == 0:
-            raise InvalidRequestError(f"slot {slot}: commit without a verified block")
-        if not 1 <= num_kept <= block_size:
+        self.commit_many([slot], [num_kept])
+
+    @torch.inference_mode()
+    def commit_many(self, slots: list[int], num_kept: list[int]) -> None:
+        """Keep the first `num_kept[i]` tokens of each slot's last verified block, in a few
+        launches for the whole batch. Every slot is checked first: an invalid one raises
+        InvalidRequestError and none is committed."""
+        if len(slots) != len(num_kept) or len(set(slots)) != len(slots):
             raise InvalidRequestError(
-                f"slot {slot}: num_kept must be in 1..{block_size}, got {num_kept}"
+                f"commit needs distinct slots, one count each; got {slots} and {num_kept}"
             )
-        commit_block(self.state, slot, num_kept, self.model.recurrence_kernel)
+        for slot, kept in zip(slots, num_kept, strict=True):
+            self._check_slot(slot)
+            block_size = self.state.block_sizes[slot]
+            if block_size == 0:
+                raise InvalidRequestError(f"slot {slot}: commit without a verified block")
+            if not 1 <= kept <= block_size:
+                raise InvalidRequestError(
+                    f"slot {slot}: num_kept must be in 1..{block_size}, got {kept}"
+                )
+        if slots:
+            commit_blocks(self.state, slots, num_kept, self.model.recurrence_kernel)
 
     def _share(self, slot: int, start: int, rows: torch.Tensor) -> None:
         """Rows beyond what is later committed are overwritten by the next block."""

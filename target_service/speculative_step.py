@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_serve.errors import DflashError
-from dflash_serve.sampling import choose_tokens
+from dflash_serve.sampling import choose_block_tokens, choose_tokens
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 from target_service.engine import TargetEngine
 
@@ -79,24 +79,26 @@ def verify_and_commit(
 
 
 def _verify_group(engine, group, indices, results) -> None:
+    """One forward, one host sync for every block's tokens, one commit for the batch."""
     began_ns = time.perf_counter_ns()
     slots = [r.slot for r in group]
     starts = [engine.length(s) for s in slots]
-    output = engine.verify(slots, [r.block_ids for r in group])
-    steps = []
-    for row, (request, start) in enumerate(zip(group, starts, strict=True)):
-        num_tokens = len(request.block_ids)
-        logits = output.logits[row, :num_tokens]
-        positions = torch.arange(start + 1, start + 1 + num_tokens, device=logits.device)
+    blocks = [r.block_ids for r in group]
+    output = engine.verify(slots, blocks)
+    lengths = [len(block) for block in blocks]
+    chosen = choose_block_tokens(output.logits, starts, lengths, [r.sampling for r in group])
+    kept_tokens = []
+    for request, tokens in zip(group, chosen, strict=True):
         if request.keep_all:  # only the token after the block is chosen
-            last = choose_tokens(logits[-1:], positions[-1:], request.sampling)
-            tokens, accepted = request.block_ids[1:] + last.tolist(), num_tokens - 1
+            kept_tokens.append(request.block_ids[1:] + tokens[-1:])
         else:
-            tokens = choose_tokens(logits, positions, request.sampling).tolist()
             accepted = count_accepted(request.block_ids[1:], tokens)
-        engine.commit(request.slot, accepted + 1)
-        features = None if output.taps is None else output.taps[row, : accepted + 1].clone()
-        steps.append((tokens[: accepted + 1], accepted, features, start))
+            kept_tokens.append(tokens[: accepted + 1])
+    engine.commit_many(slots, [len(tokens) for tokens in kept_tokens])
+    steps = []
+    for row, (tokens, start) in enumerate(zip(kept_tokens, starts, strict=True)):
+        features = None if output.taps is None else output.taps[row, : len(tokens)].clone()
+        steps.append((tokens, len(tokens) - 1, features, start))
     elapsed_ns = time.perf_counter_ns() - began_ns
     for index, step in zip(indices, steps, strict=True):
         results[index] = TargetStep(*step, forward_ns=elapsed_ns, batch_size=len(group))

@@ -202,14 +202,86 @@ def test_batch_with_different_commits_stays_exact(model):
     for round_kept in kept:
         blocks = [random_tokens(rng, 16, vocab) for _ in prompts]
         logits = batched.verify(slots, blocks).logits
+        batched.commit_many(slots, round_kept)  # one commit for the batch, as a step does
         for i, n in enumerate(round_kept):
-            batched.commit(slots[i], n)
             alone = decode(solo[i], solo_slots[i], blocks[i][:n])
             assert torch.equal(logits[i, :n], alone), (i, n)
     probe = [random_tokens(rng, 1, vocab) for _ in prompts]
     final = batched.verify(slots, probe).logits[:, 0]
     for i, engine in enumerate(solo):
         assert torch.equal(final[i], engine.verify([solo_slots[i]], [probe[i]]).logits[0, 0])
+
+
+def recorded_block_state(model, seed):
+    """A state whose four slots hold random committed GDN state and random recorded blocks
+    (of 16 tokens; slot 3's forward ran 16 but its block has 12, as a padded graph leaves)."""
+    state = new_engine(model).state
+    generator = torch.Generator().manual_seed(seed)
+    for name in ("conv_state", "recurrent_state", "block_final_state", "block_conv_inputs",
+                 "block_keys", "block_values", "block_betas"):  # fmt: skip
+        tensor = getattr(state, name)
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    state.block_decays.copy_(-torch.rand(state.block_decays.shape, generator=generator))
+    state.block_sizes[:] = [16, 16, 16, 12]
+    state.block_run_sizes[:] = [16] * 4
+    return state
+
+
+def clone_state(state):
+    copy = TargetState.__new__(TargetState)
+    for name, value in vars(state).items():
+        setattr(copy, name, value.clone() if isinstance(value, torch.Tensor) else list(value)
+                if isinstance(value, list) else value)  # fmt: skip
+    return copy
+
+
+@pytest.mark.parametrize("with_kernel", [False, True])
+def test_one_commit_for_a_batch_equals_one_per_slot(model, with_kernel):
+    """commit_blocks over several slots (whole blocks, replayed prefixes of different
+    lengths, the slots in any order) leaves every tensor as committing each slot alone."""
+    from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
+    from target_service.model.commit import commit_blocks
+
+    kernel = recurrent_gated_delta if with_kernel else None
+    together = recorded_block_state(model, seed=3)
+    one_by_one = clone_state(together)
+    slots, kept = [2, 0, 3, 1], [5, 16, 12, 1]
+    commit_blocks(together, slots, kept, kernel)
+    for slot, n in zip(slots, kept, strict=True):
+        commit_blocks(one_by_one, [slot], [n], kernel)
+    for name, value in vars(together).items():
+        expected = getattr(one_by_one, name)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, expected), name
+        elif isinstance(value, list):
+            assert value == expected, name
+    # And it did something: whole blocks take the final state, others a replayed one.
+    fresh = recorded_block_state(model, seed=3)
+    assert torch.equal(together.recurrent_state[:, 0], fresh.block_final_state[:, 0])
+    assert not torch.equal(together.recurrent_state[:, 2], fresh.recurrent_state[:, 2])
+    assert not torch.equal(together.recurrent_state[:, 2], fresh.block_final_state[:, 2])
+    assert together.lengths == [16, 1, 5, 12]
+
+
+def test_commit_many_checks_every_slot_before_committing_any(model):
+    from dflash_serve.errors import InvalidRequestError
+
+    engine = new_engine(model)
+    slots = [engine.open_sequence() for _ in range(2)]
+    for slot in slots:
+        engine.prefill(slot, PROMPT)
+    engine.verify(slots, [[1, 2, 3], [4, 5]])
+    before = clone_state(engine.state)
+    for bad_kept, message in (([1, 3], r"num_kept must be in 1\.\.2"), ([0, 1], "1..3")):
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.commit_many(slots, bad_kept)
+    with pytest.raises(InvalidRequestError, match="distinct slots"):
+        engine.commit_many([slots[0], slots[0]], [1, 1])
+    for name, value in vars(before).items():
+        after = getattr(engine.state, name)
+        assert torch.equal(after, value) if isinstance(value, torch.Tensor) else after == value
+    engine.commit_many(slots, [3, 2])
+    assert [engine.length(s) for s in slots] == [len(PROMPT) + 3, len(PROMPT) + 2]
 
 
 def per_slot_bytes(state):

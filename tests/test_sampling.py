@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from dflash_serve.errors import InvalidRequestError
-from dflash_serve.sampling import choose_tokens, filter_logits, uniform_noise
+from dflash_serve.sampling import (
+    choose_block_tokens,
+    choose_tokens,
+    filter_logits,
+    uniform_noise,
+)
 from dflash_serve.speculative.types import SamplingParams
 
 DRAWS = 20_000
@@ -30,6 +35,26 @@ def test_a_position_draws_the_same_token_alone_or_in_a_block():
         int(choose_tokens(logits[i : i + 1], positions[i : i + 1], params)) for i in range(16)
     ]
     assert block.tolist() == singles
+
+
+@pytest.mark.parametrize("all_greedy", [True, False])
+def test_a_batch_of_blocks_chooses_what_each_block_alone_would(all_greedy):
+    """Blocks of different lengths (padding rows after each) and, mixed in, sampled rows
+    with their own seeds: the batch's tokens are each block's own choose_tokens."""
+    logits = torch.randn(4, 16, 500, generator=torch.Generator().manual_seed(1))
+    starts, lengths = [7, 100, 0, 33], [16, 3, 1, 9]
+    greedy = SamplingParams(temperature=0.0)
+    params = [greedy] * 4
+    if not all_greedy:
+        params[1] = SamplingParams(temperature=0.8, top_k=50, seed=5)
+        params[3] = SamplingParams(temperature=1.2, top_p=0.9, seed=6)
+    chosen = choose_block_tokens(logits, starts, lengths, params)
+    for b in range(4):
+        positions = torch.arange(starts[b] + 1, starts[b] + 1 + lengths[b])
+        alone = choose_tokens(logits[b, : lengths[b]], positions, params[b])
+        assert chosen[b] == alone.tolist(), b
+    if not all_greedy:  # the sampled rows really sampled (a draw differing from argmax)
+        assert chosen[3] != logits[3, :9].argmax(dim=-1).tolist()
 
 
 def test_sampling_follows_the_softmax_law():

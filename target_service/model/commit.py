@@ -11,7 +11,7 @@ so the result is bit for bit the state the verify passed through after those tok
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,48 +20,82 @@ from target_service.model.delta_rule import replay_state
 from target_service.model.state import TargetState
 
 
-def commit_block(
-    state: TargetState, slot: int, num_kept: int, recurrence_kernel: Callable | None = None
+def commit_blocks(
+    state: TargetState,
+    slots: Sequence[int],
+    num_kept: Sequence[int],
+    recurrence_kernel: Callable | None = None,
 ) -> None:
-    """Keep the first `num_kept` tokens of the slot's last verified block (every GDN layer).
+    """Keep the first `num_kept[i]` tokens of slot `slots[i]`'s last verified block (every
+    GDN layer), for all the slots at once: a batch's commit costs a few launches, not a few
+    per sequence.
 
     recurrence_kernel: `recurrent_gated_delta` when the verify ran it, else None.
     """
-    block_size = state.block_sizes[slot]
-    assert 1 <= num_kept <= block_size, (num_kept, block_size)
-    state.conv_state[:, slot] = conv_state_after(
-        state.conv_state[:, slot], state.block_conv_inputs[:, slot], num_kept
+    for slot, kept in zip(slots, num_kept, strict=True):
+        assert 1 <= kept <= state.block_sizes[slot], (slot, kept, state.block_sizes[slot])
+    device = state.conv_state.device
+    index = torch.tensor(slots, device=device)
+    state.conv_state[:, index] = conv_state_after(
+        state.conv_state[:, index],
+        state.block_conv_inputs[:, index],
+        torch.tensor(num_kept, device=device),
     )
-    if num_kept == state.block_run_sizes[slot]:
-        state.recurrent_state[:, slot] = state.block_final_state[:, slot]
-    elif recurrence_kernel is None:
-        for layer in range(state.recurrent_state.shape[0]):
-            state.recurrent_state[layer, slot] = replay_state(
-                state.recurrent_state[layer, slot],
-                state.block_keys[layer, slot, :num_kept],
-                state.block_values[layer, slot, :num_kept],
-                state.block_decays[layer, slot, :num_kept],
-                state.block_betas[layer, slot, :num_kept],
-            )
-    else:
-        _replay_with_kernel(state, slot, num_kept, recurrence_kernel)
-    state.lengths[slot] += num_kept
-    state.block_sizes[slot] = state.block_run_sizes[slot] = 0
+    whole = [i for i, slot in enumerate(slots) if num_kept[i] == state.block_run_sizes[slot]]
+    if whole:
+        done = index[whole] if len(whole) < len(slots) else index
+        state.recurrent_state[:, done] = state.block_final_state[:, done]
+    partial = [i for i, slot in enumerate(slots) if num_kept[i] != state.block_run_sizes[slot]]
+    if partial and recurrence_kernel is None:
+        for i in partial:
+            _replay_in_torch(state, slots[i], num_kept[i])
+    elif partial:
+        _replay_with_kernel(
+            state, [slots[i] for i in partial], [num_kept[i] for i in partial], recurrence_kernel
+        )
+    for slot, kept in zip(slots, num_kept, strict=True):
+        state.lengths[slot] += kept
+        state.block_sizes[slot] = state.block_run_sizes[slot] = 0
 
 
-def _replay_with_kernel(state: TargetState, slot: int, num_kept: int, kernel: Callable) -> None:
-    """One launch for all GDN layers: layer l is row l, its state is pool entry l·S + slot."""
+def _replay_in_torch(state: TargetState, slot: int, num_kept: int) -> None:
+    for layer in range(state.recurrent_state.shape[0]):
+        state.recurrent_state[layer, slot] = replay_state(
+            state.recurrent_state[layer, slot],
+            state.block_keys[layer, slot, :num_kept],
+            state.block_values[layer, slot, :num_kept],
+            state.block_decays[layer, slot, :num_kept],
+            state.block_betas[layer, slot, :num_kept],
+        )
+
+
+def _replay_with_kernel(
+    state: TargetState, slots: list[int], num_kept: list[int], kernel: Callable
+) -> None:
+    """One launch for all GDN layers and slots: row l·n + i replays layer l of slots[i] over
+    its num_kept[i] tokens (the kernel's per-row count; the per-token arithmetic is the
+    same for any count or batch), on pool entry l·S + slots[i]."""
     num_layers, num_slots = state.recurrent_state.shape[:2]
     pool = state.recurrent_state.view(num_layers * num_slots, *state.recurrent_state.shape[2:])
-    entries = torch.arange(num_layers, device=pool.device) * num_slots + slot
-    keys = state.block_keys[:, slot, :num_kept].contiguous()
+    device = pool.device
+    index = torch.tensor(slots, device=device)
+    entries = (torch.arange(num_layers, device=device)[:, None] * num_slots + index).flatten()
+    longest = max(num_kept)
+    rows = num_layers * len(slots)
+
+    def recorded(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[:, index, :longest].reshape(rows, longest, *tensor.shape[3:])
+
+    keys = recorded(state.block_keys)
+    counts = torch.tensor(num_kept, dtype=torch.int32, device=device).repeat(num_layers)
     kernel(
         keys,  # the queries: unused, as no outputs are asked for
         keys,
-        state.block_values[:, slot, :num_kept].contiguous(),
-        state.block_decays[:, slot, :num_kept].contiguous(),
-        state.block_betas[:, slot, :num_kept].contiguous(),
+        recorded(state.block_values),
+        recorded(state.block_decays),
+        recorded(state.block_betas),
         pool,
         pool,
         entries,
+        counts,
     )
