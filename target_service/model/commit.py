@@ -34,25 +34,28 @@ def commit_blocks(
     """
     for slot, kept in zip(slots, num_kept, strict=True):
         assert 1 <= kept <= state.block_sizes[slot], (slot, kept, state.block_sizes[slot])
-    device = state.conv_state.device
-    index = torch.tensor(slots, device=device)
-    state.conv_state[:, index] = conv_state_after(
-        state.conv_state[:, index],
-        state.block_conv_inputs[:, index],
-        torch.tensor(num_kept, device=device),
-    )
     whole = [i for i, slot in enumerate(slots) if num_kept[i] == state.block_run_sizes[slot]]
-    if whole:
-        done = index[whole] if len(whole) < len(slots) else index
-        state.recurrent_state[:, done] = state.block_final_state[:, done]
     partial = [i for i, slot in enumerate(slots) if num_kept[i] != state.block_run_sizes[slot]]
+    # Every index the launches need, in one copy to the device without a stream sync.
+    n = len(slots)
+    packed = list(slots) + list(num_kept) + [slots[i] for i in whole]
+    packed += [slots[i] for i in partial] + [num_kept[i] for i in partial]
+    on_device = torch.tensor(packed).to(state.conv_state.device, non_blocking=True)
+    index, kept = on_device[:n], on_device[n : 2 * n]
+    whole_index = on_device[2 * n : 2 * n + len(whole)]
+    partial_index = on_device[2 * n + len(whole) : 2 * n + len(whole) + len(partial)]
+    partial_kept = on_device[2 * n + len(whole) + len(partial) :]
+    state.conv_state[:, index] = conv_state_after(
+        state.conv_state[:, index], state.block_conv_inputs[:, index], kept
+    )
+    if whole:
+        state.recurrent_state[:, whole_index] = state.block_final_state[:, whole_index]
     if partial and recurrence_kernel is None:
         for i in partial:
             _replay_in_torch(state, slots[i], num_kept[i])
     elif partial:
-        _replay_with_kernel(
-            state, [slots[i] for i in partial], [num_kept[i] for i in partial], recurrence_kernel
-        )
+        longest = max(num_kept[i] for i in partial)
+        _replay_with_kernel(state, partial_index, partial_kept, longest, recurrence_kernel)
     for slot, kept in zip(slots, num_kept, strict=True):
         state.lengths[slot] += kept
         state.block_sizes[slot] = state.block_run_sizes[slot] = 0
@@ -70,24 +73,26 @@ def _replay_in_torch(state: TargetState, slot: int, num_kept: int) -> None:
 
 
 def _replay_with_kernel(
-    state: TargetState, slots: list[int], num_kept: list[int], kernel: Callable
+    state: TargetState,
+    slots: torch.Tensor,
+    num_kept: torch.Tensor,
+    longest: int,
+    kernel: Callable,
 ) -> None:
     """One launch for all GDN layers and slots: row l·n + i replays layer l of slots[i] over
     its num_kept[i] tokens (the kernel's per-row count; the per-token arithmetic is the
-    same for any count or batch), on pool entry l·S + slots[i]."""
+    same for any count or batch), on pool entry l·S + slots[i]. slots, num_kept: int64 [n]
+    on the device; longest: max(num_kept)."""
     num_layers, num_slots = state.recurrent_state.shape[:2]
     pool = state.recurrent_state.view(num_layers * num_slots, *state.recurrent_state.shape[2:])
-    device = pool.device
-    index = torch.tensor(slots, device=device)
-    entries = (torch.arange(num_layers, device=device)[:, None] * num_slots + index).flatten()
-    longest = max(num_kept)
-    rows = num_layers * len(slots)
+    layers = torch.arange(num_layers, device=pool.device)
+    entries = (layers[:, None] * num_slots + slots).flatten()
+    rows = num_layers * slots.shape[0]
 
     def recorded(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor[:, index, :longest].reshape(rows, longest, *tensor.shape[3:])
+        return tensor[:, slots, :longest].reshape(rows, longest, *tensor.shape[3:])
 
     keys = recorded(state.block_keys)
-    counts = torch.tensor(num_kept, dtype=torch.int32, device=device).repeat(num_layers)
     kernel(
         keys,  # the queries: unused, as no outputs are asked for
         keys,
@@ -97,5 +102,5 @@ def _replay_with_kernel(
         pool,
         pool,
         entries,
-        counts,
+        num_kept.to(torch.int32).repeat(num_layers),
     )
