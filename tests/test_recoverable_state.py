@@ -238,7 +238,9 @@ def clone_state(state):
 @pytest.mark.parametrize("with_kernel", [False, True])
 def test_one_commit_for_a_batch_equals_one_per_slot(model, with_kernel):
     """commit_blocks over several slots (whole blocks, replayed prefixes of different
-    lengths, the slots in any order) leaves every tensor as committing each slot alone."""
+    lengths, the slots in any order) leaves every tensor as committing each slot alone.
+    The two take different code (gathers by slot and per-row replay counts for a batch,
+    views of one slot's rows alone), so each checks the other."""
     from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
     from target_service.model.commit import commit_blocks
 

@@ -28,14 +28,27 @@ def causal_conv_with_state(
 
 
 def conv_state_after(
+    conv_state: torch.Tensor, inputs: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Conv state [..., C, k−1] after the first `num_tokens` of inputs [..., T, C] were committed.
+
+    Leading dims (layers) are carried along; the result is a copy of stored values, no maths.
+    """
+    history = conv_state.shape[-1]
+    window = torch.cat(
+        (conv_state.transpose(-1, -2).to(inputs.dtype), inputs[..., :num_tokens, :]), dim=-2
+    )
+    return window[..., window.shape[-2] - history :, :].transpose(-1, -2)
+
+
+def conv_states_after(
     conv_state: torch.Tensor, inputs: torch.Tensor, num_tokens: torch.Tensor
 ) -> torch.Tensor:
-    """Conv states [..., B, C, k−1] after the first `num_tokens[b]` of inputs [..., B, T, C]
-    were committed, num_tokens int64 [B] on the inputs' device (0..T).
+    """`conv_state_after` for a batch: conv states [..., B, C, k−1] after the first
+    `num_tokens[b]` of inputs [..., B, T, C], num_tokens int64 [B] on the inputs' device.
 
-    Leading dims (layers) are carried along; the result is a copy of stored values, no maths:
-    row b's new history is rows num_tokens[b] .. num_tokens[b] + k − 2 of
-    [old history ; inputs].
+    Row b's new history is rows num_tokens[b] .. num_tokens[b] + k − 2 of
+    [old history ; inputs], gathered: copies of stored values, no maths.
     """
     history = conv_state.shape[-1]
     window = torch.cat((conv_state.transpose(-1, -2).to(inputs.dtype), inputs), dim=-2)
