@@ -4,8 +4,11 @@
 
 Writes DIR/target (Hugging Face layout with tokenizer and chat template), DIR/drafter
 (z-lab DFlash layout), DIR/held_out_prompts.json (chat prompts of held-out items, for
-`bench.embedded`) and DIR/training_log.json (settings, step counts, losses, timings). With
+`bench.embedded`) and DIR/training_log.json (settings, step counts, losses, timings, and the
+drafter's served-equivalent τ on training and held-out prompts, `validation`). With
 --target-steps/--drafter-steps the run repeats a logged one instead of fitting the budget.
+--num-swapped / --num-invented / --pick-by-length change the drafter's data (see
+`train_drafter.behind_other_prompts`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from training.corpus import (
     rephrased_question,
     subject_of,
 )
+from training.drafter_eval import walk_tau
 from training.embedded_configs import embedded_drafter_config, embedded_target_config
 from training.export import save_drafter, save_target
 from training.generate import generate_greedy
@@ -41,6 +45,7 @@ from training.tokenizer import conversation_ids, train_tokenizer, write_tokenize
 from training.train_drafter import (
     DrafterTraining,
     GeneratedSequence,
+    behind_other_prompts,
     init_drafter,
     train_drafter,
 )
@@ -74,6 +79,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         help="also generate for this many invented subjects (training names recombined)",
+    )
+    parser.add_argument(
+        "--num-swapped",
+        type=int,
+        default=0,
+        help="also train on this many generated answers put behind invented questions",
+    )
+    parser.add_argument(
+        "--pick-by-length",
+        action="store_true",
+        help="pick drafter training sequences in proportion to their answer's length",
+    )
+    parser.add_argument(
+        "--num-validation",
+        type=int,
+        default=64,
+        help="held-out and training prompts whose served-equivalent tau is logged at the end",
     )
     parser.add_argument(
         "--reuse-target",
@@ -141,6 +163,15 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
     }
     log(f"generated {record['generation']}")
+    if args.num_swapped:
+        swap_questions = [
+            invented_question(corpus.train, rng, known) for _ in range(args.num_swapped)
+        ]
+        swap_prompts = [tokenizer.encode(prompt_text(q)).ids for q in swap_questions]
+        training_sequences = generated + behind_other_prompts(generated, swap_prompts, rng)
+        record["generation"]["num_swapped"] = args.num_swapped
+    else:
+        training_sequences = generated
 
     drafter_config = embedded_drafter_config(tokenizer.get_vocab_size(), specials["<|mask|>"])
     drafter = init_drafter(drafter_config, target_dir, args.seed, args.device)
@@ -151,19 +182,49 @@ def main(argv: list[str] | None = None) -> dict:
         num_steps=args.drafter_steps,
         optim=OptimSettings(peak_lr=1e-3, warmup_steps=50),
         seed=args.seed,
+        pick_by_length=args.pick_by_length,
     )
     pad_id = specials["<|endoftext|>"]
     record["drafter_training"] = train_drafter(
-        drafter, target, generated, drafter_settings, pad_id, log
+        drafter, target, training_sequences, drafter_settings, pad_id, log
     )
     save_drafter(drafter, drafter_config, drafter_dir)
 
     held_out = [prompt_text(c.question) for c in corpus.held_out]
     random.Random(args.seed).shuffle(held_out)  # mixed modules in any first-N subset
+    if args.num_validation:
+        record["validation"] = validate_drafter(
+            drafter, target, generated, held_out, tokenizer, eos_ids, args.num_validation
+        )
+        log(f"served-equivalent tau: {record['validation']}")
     (args.out_dir / "held_out_prompts.json").write_text(json.dumps(held_out, indent=1))
     (args.out_dir / "training_log.json").write_text(json.dumps(record, indent=2))
     log(f"wrote {target_dir}, {drafter_dir}; log {args.out_dir / 'training_log.json'}")
     return record
+
+
+def validate_drafter(
+    drafter, target, generated, held_out, tokenizer, eos_ids, count, max_new_tokens=128
+) -> dict:
+    """Served-equivalent τ (`drafter_eval.walk_tau`, 128 new tokens as `bench.embedded`) on
+    the first `count` training generations and on `count` held-out prompts (generated here):
+    the number that tells whether the drafter generalises, before any benchmark."""
+    drafter.eval()
+    trained = [
+        (s.token_ids[: s.first_anchor], s.token_ids[s.first_anchor :][:max_new_tokens])
+        for s in generated[:count]
+    ]
+    prompts = [tokenizer.encode(p).ids for p in held_out[:count]]
+    answers = generate_greedy(target, prompts, max_new_tokens, eos_ids, log=log)
+    result = {}
+    for name, pairs in (
+        ("training", trained),
+        ("held_out", list(zip(prompts, answers, strict=True))),
+    ):
+        walk = walk_tau(drafter, target, pairs, max_new_tokens, eos_ids)
+        result[name] = {"tau": walk.tau, "num_steps": walk.num_steps,
+                        "accept_per_position": walk.accept_per_position}  # fmt: skip
+    return result
 
 
 def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, record) -> None:
