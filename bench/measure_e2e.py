@@ -175,6 +175,10 @@ async def concurrent_throughput(
         "mean_decode_ms": round(statistics.mean(r.total_s - r.ttft_s for r in results) * 1e3, 2),
         "verify_ms": step_ms([pair for r in results for pair in r.times.verify]),
         "draft_ms": step_ms([pair for r in results for pair in r.times.draft]),
+        # Without each request's first step, which may wait behind the other requests'
+        # prefills (all start at once): tells that wait from stalls in steady decoding.
+        "verify_ms_after_first": step_ms([p for r in results for p in r.times.verify[1:]]),
+        "draft_ms_after_first": step_ms([p for r in results for p in r.times.draft[1:]]),
     }
 
 
