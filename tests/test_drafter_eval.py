@@ -11,60 +11,92 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
+from dflash_serve.speculative.types import TargetStep
 from training.drafter_eval import walk_accepted
 from training.train_drafter import GeneratedSequence, behind_other_prompts, pick_sequences
 
 EOS = 99
 
 
-def simulate_served(answer, drafts_at, max_new_tokens, num_drafts):
-    """Greedy speculative decoding written out token by token, as the gateway's loop runs
-    it: emit the prefill's token, then per step draft, accept while each draft equals the
-    target's token, emit the accepted drafts and the target's next token; stop at EOS or
-    max_new_tokens. Returns the accepted count of each step that drafted."""
-    emitted, steps = [answer[0]], []
-    while emitted[-1] != EOS and len(emitted) < max_new_tokens:
-        budget = min(num_drafts, max_new_tokens - len(emitted) - 1)
-        if budget <= 0 or len(emitted) >= len(answer):
-            break
-        drafts = drafts_at(len(emitted) - 1)[:budget]
-        kept = 0
-        while (
-            kept < len(drafts)
-            and len(emitted) + kept < len(answer)
-            and drafts[kept] == answer[len(emitted) + kept]
-        ):
-            kept += 1
-        steps.append(kept)
-        emitted += answer[len(emitted) : len(emitted) + kept + 1]
-    return steps
+class StreamTarget:
+    """A target whose greedy text is `stream` (going on past EOS, as a language model does
+    inside a block): prefill gives stream[0]; verify accepts drafts while they match."""
+
+    def __init__(self, stream):
+        self.stream, self.position = stream, 0
+
+    async def prefill(self, prompt_ids):
+        return TargetStep([self.stream[0]], 0, None)
+
+    async def verify(self, block):
+        accepted = 0
+        for draft in block[1:]:
+            if draft != self.stream[self.position + accepted + 1]:
+                break
+            accepted += 1
+        tokens = self.stream[self.position + 1 : self.position + accepted + 2]
+        self.position += accepted + 1
+        return TargetStep(tokens, accepted, None)
+
+    async def close(self):
+        pass
+
+
+class TableDrafter:
+    def __init__(self, target, table):
+        self.target, self.table = target, table
+
+    async def draft(self, features, anchor_id, num_drafts):
+        return self.table[self.target.position][:num_drafts]
+
+    async def close(self):
+        pass
+
+
+def served_stats(stream, table, max_new_tokens, num_drafts):
+    """The gateway's own loop (SpeculativeGeneration) over the scripted target and drafter."""
+    target = StreamTarget(stream)
+    run = SpeculativeGeneration(
+        target, TableDrafter(target, table), [0], StopRules(max_new_tokens, frozenset({EOS})),
+        num_drafts, 10_000,
+    )  # fmt: skip
+
+    async def collect():
+        return [token async for token in run.tokens()]
+
+    return asyncio.run(collect()), run.stats
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_walk_accepts_what_speculative_decoding_accepts(seed):
+def test_walk_accepts_what_the_gateway_loop_accepts(seed):
+    """Random texts (with and without EOS, drafts past it matching the target's text),
+    drafts with errors, budgets cut by max_new_tokens: the walk's steps are the loop's."""
     rng = random.Random(seed)
-    length = rng.randint(2, 60)
-    answer = [rng.randrange(50) for _ in range(length - 1)]
-    answer.append(EOS if rng.random() < 0.5 else rng.randrange(50))
-    num_drafts, max_new = rng.choice([3, 15]), rng.randint(1, 70)
-    quality = rng.random()
-
-    def drafts_at(index):  # right tokens with some errors, a wrong one past the answer
-        following = answer[index + 1 : index + 1 + num_drafts]
-        drafts = [t if rng_drafts[index].random() < quality else 50 + t % 40 for t in following]
-        return drafts + [98] * (num_drafts - len(drafts))
-
-    rng_drafts = [random.Random(seed * 1000 + i) for i in range(length)]
-    table = [drafts_at(i) for i in range(length)]
-    correct_prefix = []
-    for index in range(length):
+    stream = [rng.randrange(50) for _ in range(80)]
+    if rng.random() < 0.6:
+        stream[rng.randint(1, 50)] = EOS
+    num_drafts, max_new, quality = rng.choice([3, 15]), rng.randint(1, 60), rng.random()
+    table = [
+        [t if rng.random() < quality else 50 + t % 40 for t in stream[i + 1 : i + 1 + num_drafts]]
+        for i in range(len(stream) - num_drafts)
+    ]
+    emitted, stats = served_stats(stream, table, max_new, num_drafts)
+    answer = stream[: stream.index(EOS) + 1] if EOS in stream else stream
+    answer = answer[:max_new]
+    assert emitted == answer
+    correct_prefix = []  # labels end with the answer, as in the target's generations
+    for index in range(len(answer)):
         following = answer[index + 1 : index + 1 + num_drafts]
         run = 0
         while run < len(following) and table[index][run] == following[run]:
             run += 1
         correct_prefix.append(run)
-    expected = simulate_served(answer, lambda i: table[i], max_new, num_drafts)
-    assert walk_accepted(correct_prefix, answer, max_new, num_drafts, [EOS]) == expected
+    walked = walk_accepted(correct_prefix, answer, max_new, num_drafts, [EOS])
+    assert len(walked) == stats.num_drafts
+    assert sum(walked) == stats.num_accepted_tokens
+    per_position = [sum(kept > k for kept in walked) for k in range(num_drafts)]
+    assert per_position[: len(stats.accepted_per_position)] == stats.accepted_per_position
 
 
 def test_walk_estimates_the_served_acceptance_of_the_shipped_pair(embedded_pair):
@@ -80,7 +112,8 @@ def test_walk_estimates_the_served_acceptance_of_the_shipped_pair(embedded_pair)
 
     target_dir, drafter_dir = embedded_pair
     tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
-    prompts = json.loads(Path("bench/embedded_training_prompts.json").read_text())[:4]
+    prompts_file = Path(__file__).parents[1] / "bench" / "embedded_training_prompts.json"
+    prompts = json.loads(prompts_file.read_text())[:4]
     prompt_ids = [tokenizer.encode(p).ids for p in prompts]
     eos = json.loads((Path(target_dir) / "config.json").read_text())["eos_token_id"]
     target = load_target_model(target_dir, torch.float32, "cpu").eval()
@@ -124,3 +157,14 @@ def test_picks_in_proportion_to_answer_length_only_when_asked():
     uniform = pick_sequences([1, 99], 20_000, False, generator)
     assert abs(by_length.float().mean().item() - 0.99) < 0.005
     assert abs(uniform.float().mean().item() - 0.5) < 0.02
+
+
+def test_drafts_matching_past_a_stop_token_are_not_counted_accepted():
+    """The target checks the whole block [1, 2, EOS, 7]: all three drafts match its text,
+    but only 2, EOS are sent, so the loop's statistics count 2 accepted, not 3."""
+    stream = [1, 2, EOS, 7, 8, 9, 10, 11]
+    table = [stream[i + 1 : i + 4] for i in range(5)]
+    emitted, stats = served_stats(stream, table, max_new_tokens=20, num_drafts=3)
+    assert emitted == [1, 2, EOS]
+    assert (stats.num_drafts, stats.num_accepted_tokens) == (1, 2)
+    assert stats.accepted_per_position == [1, 1, 0]

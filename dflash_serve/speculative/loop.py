@@ -75,10 +75,18 @@ class SpeculativeGeneration:
                 is_paced_out = self.pacing is not None and not self.pacing.should_draft()
                 drafts = await self._draft(step.features, anchor, 0 if is_paced_out else budget)
             step = await self.target.verify([anchor, *drafts])
-            self.stats.record(len(drafts), step.num_accepted)
+            self.stats.record(len(drafts), self._emitted_drafts(step))
             if self.pacing is not None:
                 self.pacing.record(len(drafts), step.num_accepted)
             committed += step.num_accepted + 1
+
+    def _emitted_drafts(self, step) -> int:
+        """Accepted drafts that will be emitted: the target checks a whole block, so drafts
+        that match its text past a stop token count as accepted there but are never sent
+        (the statistics count what the client gets)."""
+        stops = self.stops.stop_token_ids
+        stop_at = next((i for i, t in enumerate(step.token_ids) if t in stops), None)
+        return step.num_accepted if stop_at is None else min(step.num_accepted, stop_at + 1)
 
     async def _draft(self, features, anchor: int, num_drafts: int) -> list[int]:
         """Drafts from the drafter (none when num_drafts is 0: it only takes the features),
