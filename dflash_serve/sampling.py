@@ -75,24 +75,19 @@ def choose_block_tokens(
     starts: Sequence[int],
     lengths: Sequence[int],
     params: Sequence[SamplingParams],
+    first_rows: Sequence[int],
 ) -> list[list[int]]:
-    """Tokens for a batch of blocks with one host sync: row b of logits [B, T, vocab] has
-    `lengths[b]` real rows predicting absolute positions starts[b] + 1 …; each row b by its
-    own params. Greedy rows share one argmax; each sampled row is `choose_tokens` on its
-    rows. A token depends only on its own logits and position, so this equals choosing
-    each block alone."""
-    greedy = [b for b, p in enumerate(params) if p.is_greedy]
-    if len(greedy) == len(params):
-        chosen = logits.argmax(dim=-1)
-    else:
-        chosen = torch.zeros(logits.shape[:2], dtype=torch.int64, device=logits.device)
-        if greedy:
-            rows = torch.tensor(greedy, device=logits.device)
-            chosen[rows] = logits[rows].argmax(dim=-1)
-        for b, p in enumerate(params):
-            if not p.is_greedy:
-                n = lengths[b]
-                positions = torch.arange(starts[b] + 1, starts[b] + 1 + n, device=logits.device)
-                chosen[b, :n] = choose_tokens(logits[b, :n], positions, p)
+    """Tokens for a batch of blocks with one host sync for the greedy ones: row b of logits
+    [B, T, vocab] has `lengths[b]` real rows predicting absolute positions starts[b] + 1 …;
+    rows first_rows[b] .. lengths[b] − 1 are chosen (a prompt block needs only its last),
+    each block by its own params. One argmax serves every greedy row; a sampled block runs
+    `choose_tokens` on its chosen rows. A token depends only on its own logits and position,
+    so this equals choosing each block alone."""
+    chosen = logits.argmax(dim=-1)
+    for b, p in enumerate(params):
+        if not p.is_greedy:
+            first, n = first_rows[b], lengths[b]
+            positions = torch.arange(starts[b] + 1 + first, starts[b] + 1 + n, device=logits.device)
+            chosen[b, first:n] = choose_tokens(logits[b, first:n], positions, p)
     on_host = chosen.tolist()
-    return [row[:n] for row, n in zip(on_host, lengths, strict=True)]
+    return [row[first:n] for row, first, n in zip(on_host, first_rows, lengths, strict=True)]

@@ -86,11 +86,13 @@ def _verify_group(engine, group, indices, results) -> None:
     blocks = [r.block_ids for r in group]
     output = engine.verify(slots, blocks)
     lengths = [len(block) for block in blocks]
-    chosen = choose_block_tokens(output.logits, starts, lengths, [r.sampling for r in group])
+    first_rows = [n - 1 if r.keep_all else 0 for r, n in zip(group, lengths, strict=True)]
+    params = [r.sampling for r in group]
+    chosen = choose_block_tokens(output.logits, starts, lengths, params, first_rows)
     kept_tokens = []
     for request, tokens in zip(group, chosen, strict=True):
-        if request.keep_all:  # only the token after the block is chosen
-            kept_tokens.append(request.block_ids[1:] + tokens[-1:])
+        if request.keep_all:  # a prompt block: only the token after it is chosen
+            kept_tokens.append(request.block_ids[1:] + tokens)
         else:
             accepted = count_accepted(request.block_ids[1:], tokens)
             kept_tokens.append(tokens[: accepted + 1])
