@@ -176,7 +176,8 @@ async def concurrent_throughput(
         "verify_ms": step_ms([pair for r in results for pair in r.times.verify]),
         "draft_ms": step_ms([pair for r in results for pair in r.times.draft]),
         # Without each request's first step, which may wait behind the other requests'
-        # prefills (all start at once): tells that wait from stalls in steady decoding.
+        # prefills (all start at once): separates that wait from later stalls (a later step
+        # can still wait behind a prefill that arrived late).
         "verify_ms_after_first": step_ms([p for r in results for p in r.times.verify[1:]]),
         "draft_ms_after_first": step_ms([p for r in results for p in r.times.draft[1:]]),
     }

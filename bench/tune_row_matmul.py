@@ -11,8 +11,9 @@ re-tunes only the 4-bit shapes and keeps the dense entries (each timing names it
                                     [--against-tuned --block-ms 64]
 
 `--row-tiles-only` keeps each tuned entry's tiles and split-K and sweeps its row tiles per
-program (1, 2, 4, 8) only: a minute instead of five, for entries tuned before row tiles
-existed. Row tiles change which rows share a weight tile, never a row's arithmetic.
+program only (1, 2, 4, 8 of 16 rows; 1, 2 of 64): a minute instead of five, for entries
+tuned before row tiles existed. Row tiles change which rows share a weight tile, never a
+row's arithmetic.
 `--against-tuned` times each tuned entry against the sweep of `--block-ms` only (64: Hopper's
 warpgroup MMA, rows in tiles of 64), keeping whichever wins.
 """
@@ -48,7 +49,7 @@ CALLS_PER_GRAPH = 20
 
 # Row tiles per program worth trying for each row-tile height: 64-row tiles hold 4x the
 # accumulator registers of 16-row ones, and 128 rows (8 verify blocks) are 2 of them.
-ROW_TILES_FOR_BLOCK_M = {16: (1, 4, 8), 64: (1, 2)}
+ROW_TILES_FOR_BLOCK_M = {16: (1, 2, 4, 8), 64: (1, 2)}
 
 
 def candidates(
@@ -75,7 +76,8 @@ def candidates(
 def row_tile_candidates(tuned: dict) -> list[MatmulConfig]:
     """A tuned entry with each number of row tiles per program."""
     base = MatmulConfig(**tuned)
-    return [dataclasses.replace(base, row_tiles=tiles) for tiles in (1, 2, 4, 8)]
+    tiles = ROW_TILES_FOR_BLOCK_M[base.block_m]
+    return [dataclasses.replace(base, row_tiles=count) for count in tiles]
 
 
 def make_weight(n: int, k: int, group: int | None):

@@ -32,9 +32,10 @@ class DrafterTraining:
     num_steps: int | None
     optim: OptimSettings
     seed: int
-    # Pick sequences in proportion to their answer's length, so every answer token is an
-    # anchor equally often (uniform picks under-train long answers: the shipped drafter's
-    # accepted prefix falls from 8.1 tokens in an answer's first 32 to 1.0 past its 96th).
+    # Pick sequences in proportion to their anchor positions (answer length − 1), so every
+    # answer token is an anchor equally often (uniform picks under-train long answers: the
+    # shipped drafter's accepted prefix falls from 8.1 tokens in an answer's first 32 to 1.0
+    # past its 96th).
     pick_by_length: bool = False
 
 
@@ -75,13 +76,14 @@ def behind_other_prompts(
 
 
 def pick_sequences(
-    answer_lengths: list[int], count: int, by_length: bool, generator: torch.Generator
+    anchor_counts: list[int], count: int, by_length: bool, generator: torch.Generator
 ) -> torch.Tensor:
     """`count` sequence indices drawn with replacement: uniformly, or (by_length) in
-    proportion to each answer's length (at least 1)."""
+    proportion to each sequence's number of possible anchors (its answer's length − 1, at
+    least 1), so that every anchor position is drawn equally often."""
     if not by_length:
-        return torch.randint(len(answer_lengths), (count,), generator=generator)
-    weights = torch.tensor(answer_lengths, dtype=torch.float64).clamp(min=1)
+        return torch.randint(len(anchor_counts), (count,), generator=generator)
+    weights = torch.tensor(anchor_counts, dtype=torch.float64).clamp(min=1)
     return torch.multinomial(weights, count, replacement=True, generator=generator)
 
 
@@ -110,11 +112,11 @@ def train_drafter(
     accuracy_sum = torch.zeros(drafter.config.block_size - 1)
     accuracy_count = [0]
 
-    answer_lengths = [len(s.token_ids) - s.first_anchor for s in sequences]
+    anchor_counts = [len(s.token_ids) - 1 - s.first_anchor for s in sequences]
 
     def run_step(step: int, progress: float) -> float:
         picks = pick_sequences(
-            answer_lengths, settings.batch_seqs, settings.pick_by_length, generator
+            anchor_counts, settings.batch_seqs, settings.pick_by_length, generator
         )
         token_ids, lengths, first = make_batch([sequences[i] for i in picks], pad_id, device)
         anchors = sample_anchors(first, lengths.cpu(), settings.anchors_per_seq, generator)

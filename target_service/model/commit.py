@@ -3,7 +3,7 @@
 Attention needs nothing: keys beyond the committed length are masked and later overwritten.
 The GDN conv state is the last k−1 pre-conv inputs of [old conv state ; kept tokens]. The
 recurrent state is the block's final state when every token its forward ran is kept
-(a block padded to a graph's length never is), else the committed
+(a block padded to a graph's length or to the batch's longest block never is), else the committed
 state advanced over the kept tokens with the block's recorded inputs, by the same
 recurrence the verify ran (plain torch `replay_state`, or the Triton kernel on the GPU path),
 so the result is bit for bit the state the verify passed through after those tokens.
@@ -34,6 +34,7 @@ def commit_blocks(
     is cheaper than gathering (measured at batch 1 on the H200). recurrence_kernel:
     `recurrent_gated_delta` when the verify ran it, else None.
     """
+    assert len(set(slots)) == len(slots), slots  # index_copy_ with repeats is undefined
     for slot, kept in zip(slots, num_kept, strict=True):
         assert 1 <= kept <= state.block_sizes[slot], (slot, kept, state.block_sizes[slot])
     if len(slots) == 1:
