@@ -20,6 +20,7 @@ from dflash_serve.checkpoint.int4_formats import (
     pack_awq_gemm,
     pack_compressed_tensors,
 )
+from dflash_serve.kernels import row_matmul as row_matmul_module
 from dflash_serve.kernels.row_matmul import (
     BLOCK_M,
     matmul_config,
@@ -152,7 +153,7 @@ def test_row_tiles_per_program_change_no_bit(kind, row_tiles):
 
 @pytest.mark.parametrize("kind", ["dense", "awq"])
 @pytest.mark.parametrize("row_tiles", [1, 2])
-def test_64_row_tiles_keep_rows_independent(kind, row_tiles):
+def test_64_row_tiles_keep_rows_independent(kind, row_tiles, monkeypatch):
     """Tiles of 64 rows (Hopper's warpgroup MMA on the GPU): a row's bits do not depend on
     how many rows share the launch or where in a tile it sits, nor on row tiles per program;
     100 rows = a full tile and a ragged one."""
@@ -161,7 +162,21 @@ def test_64_row_tiles_keep_rows_independent(kind, row_tiles):
     base = matmul_config(n, k, None if kind == "dense" else group_size)
     config = dataclasses.replace(base, block_m=64, row_tiles=row_tiles)
     x = random_rows(100, k, seed=12)
+    launches = []
+    kernel = row_matmul_module._row_matmul_kernel
+
+    class RecordingKernel:  # the launch really uses 64-row tiles (the interpreter's dots
+        def __getitem__(self, grid):  # are row-independent at any height)
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs["BLOCK_M"], kwargs["ROW_TILES"]))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(row_matmul_module, "_row_matmul_kernel", RecordingKernel())
     y100 = row_matmul(x, weight, config=config)
+    assert launches == [((-(-100 // (64 * row_tiles)), launches[0][0][1], config.split_k), 64,
+                         row_tiles)]  # fmt: skip
     assert_close_to_reference(y100, x, oracle)
     for rows in (slice(0, 1), slice(0, 16), slice(5, 37), slice(63, 65), slice(70, 100)):
         assert torch.equal(row_matmul(x[rows], weight, config=config), y100[rows]), rows
