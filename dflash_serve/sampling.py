@@ -21,8 +21,9 @@ _SEED_SALT = 0x2545F491
 _POSITION_SALT = 0x3C6EF372
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche hash (xorshift-multiply), on int64 tensors holding 32-bit values."""
+def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """A 32-bit avalanche hash (xorshift-multiply), on int64 tensors holding 32-bit values or
+    on Python ints (the same values: every product stays below 2^63)."""
     x = x ^ (x >> 16)
     x = (x * _MIX_A) & _MASK32
     x = x ^ (x >> 15)
@@ -34,8 +35,7 @@ def uniform_noise(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.
     """Uniform (0, 1) float64 [T, vocab]: a pure function of (seed, position, token id)."""
     device = positions.device
     seed_low, seed_high = seed & _MASK32, (seed >> 32) & _MASK32
-    key = _mix32(torch.tensor(seed_low ^ _SEED_SALT, device=device))
-    key = _mix32(key ^ seed_high)
+    key = _mix32(_mix32(seed_low ^ _SEED_SALT) ^ seed_high)  # on the host: no device copy
     per_position = _mix32(key ^ ((positions.to(torch.int64) * _POSITION_SALT) & _MASK32))
     token_ids = torch.arange(vocab_size, device=device, dtype=torch.int64)
     bits = _mix32(_mix32(per_position.unsqueeze(-1) ^ token_ids) ^ per_position.unsqueeze(-1))

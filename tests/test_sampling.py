@@ -26,6 +26,26 @@ def test_noise_depends_only_on_seed_position_and_token():
     assert together.min() > 0.0 and together.max() < 1.0
 
 
+def test_noise_is_the_hash_of_seed_position_and_token():
+    """The seed's key is hashed on the host; the values are those of hashing it as an int64
+    tensor (written out here), for seeds below and above 2^32."""
+    mask, salts = 0xFFFFFFFF, (0x2545F491, 0x3C6EF372)
+
+    def mix(x):
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & mask
+        x = x ^ (x >> 15)
+        x = (x * 0x5BD1E995) & mask
+        return x ^ (x >> 16)
+
+    positions = torch.tensor([0, 5, 4096])
+    for seed in (0, 77, 2**40 + 3):
+        key = mix(mix(torch.tensor(seed & mask) ^ salts[0]) ^ (seed >> 32))
+        per_position = mix(key ^ ((positions * salts[1]) & mask))
+        bits = mix(mix(per_position[:, None] ^ torch.arange(300)) ^ per_position[:, None])
+        assert torch.equal(uniform_noise(seed, positions, 300), (bits.double() + 0.5) / 2.0**32)
+
+
 def test_a_position_draws_the_same_token_alone_or_in_a_block():
     logits = torch.randn(16, 500, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=77)
