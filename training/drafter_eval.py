@@ -4,14 +4,13 @@ Training's own estimate (`train_tau_estimate`: 1 + Σ P(slots 1..k right) over u
 anchors of full blocks, every sequence weighted alike; 9.0 logged for the shipped pair) reads
 far above served τ: recomputed over every anchor of 100 training prompts it is 10.7, against
 3.55 by this walk on the same generations, because served steps start where the last one
-failed, which is where drafts are weakest. This replays greedy
-speculative decoding instead: the drafter's block at every anchor of a generation (the
-packed training forward, equal to the serving drafter), then the served loop's walk over
-them (the packed forward equals the serving drafter up to float rounding): the first anchor
-is the first generated token; a step accepts the drafts' correct prefix and emits it plus the
-target's token; the next anchor is that token. On the shipped
-pair's 20 training prompts it gave τ 3.950 where the engines, drafting every step, gave
-3.955 (a diagnosis run in /tmp, 2026-11-30).
+failed, which is where drafts are weakest. This replays greedy speculative decoding
+instead: the drafter's block at every anchor of a generation (the packed training forward,
+equal to the serving drafter up to float rounding), then the served loop's walk over them:
+the first anchor is the first generated token; a step accepts the drafts' correct prefix and
+emits it plus the target's token; the next anchor is that token. On the shipped pair's 20
+training prompts it gave τ 3.950 where the engines, drafting every step, gave 3.955 (a
+diagnosis run in /tmp, 2026-11-30).
 """
 
 from __future__ import annotations

@@ -57,15 +57,10 @@ def _commit_one(state: TargetState, slot: int, num_kept: int, kernel: Callable |
     else:
         num_layers, num_slots = state.recurrent_state.shape[:2]
         entries = torch.arange(num_layers, device=state.recurrent_state.device) * num_slots + slot
-        keys = state.block_keys[:, slot, :num_kept].contiguous()
-        kernel(
-            keys,  # the queries: unused, as no outputs are asked for
-            keys,
-            state.block_values[:, slot, :num_kept].contiguous(),
-            state.block_decays[:, slot, :num_kept].contiguous(),
-            state.block_betas[:, slot, :num_kept].contiguous(),
-            _state_pool(state),
-            _state_pool(state),
+        _replay_with_kernel(
+            kernel,
+            state,
+            [tensor[:, slot, :num_kept].contiguous() for tensor in _recorded_inputs(state)],
             entries,
         )
 
@@ -98,31 +93,37 @@ def _commit_batch(
     elif partial:
         longest = max(num_kept[i] for i in partial)
 
-        def recorded(tensor: torch.Tensor) -> torch.Tensor:
-            picked = tensor[:, :, :longest].index_select(1, partial_index)
-            return picked.view(len(entries), longest, *tensor.shape[3:])
+        def picked(tensor: torch.Tensor) -> torch.Tensor:
+            rows = tensor[:, :, :longest].index_select(1, partial_index)
+            return rows.view(len(entries), longest, *tensor.shape[3:])
 
         # Row l·n + i replays layer l of partial slot i over its own count (the kernel's
         # per-row count; the per-token arithmetic is the same for any count or batch).
-        keys = recorded(state.block_keys)
-        kernel(
-            keys,  # the queries: unused, as no outputs are asked for
-            keys,
-            recorded(state.block_values),
-            recorded(state.block_decays),
-            recorded(state.block_betas),
-            _state_pool(state),
-            _state_pool(state),
-            entries_index,
-            counts_index.to(torch.int32),
-        )
+        inputs = [picked(tensor) for tensor in _recorded_inputs(state)]
+        _replay_with_kernel(kernel, state, inputs, entries_index, counts_index.to(torch.int32))
 
 
-def _state_pool(state: TargetState) -> torch.Tensor:
-    """The recurrent states as one pool [layers · slots, ...]: layer l of slot s is entry
-    l·S + s."""
+def _recorded_inputs(state: TargetState) -> tuple[torch.Tensor, ...]:
+    """The last blocks' per-token GDN inputs [layers, slots, T, ...]: keys, values, decays,
+    betas."""
+    return state.block_keys, state.block_values, state.block_decays, state.block_betas
+
+
+def _replay_with_kernel(
+    kernel: Callable,
+    state: TargetState,
+    inputs: list[torch.Tensor],
+    entries: torch.Tensor,
+    counts: torch.Tensor | None = None,
+) -> None:
+    """Advance recurrent-state pool entries (layer l of slot s is entry l·S + s) over
+    recorded inputs [rows, T, ...] (keys, values, decays, betas), row r's first counts[r]
+    tokens (None: all), in place."""
     num_layers, num_slots = state.recurrent_state.shape[:2]
-    return state.recurrent_state.view(num_layers * num_slots, *state.recurrent_state.shape[2:])
+    pool = state.recurrent_state.view(num_layers * num_slots, *state.recurrent_state.shape[2:])
+    keys, values, decays, betas = inputs
+    # The keys stand in for the queries: unused, as no outputs are asked for.
+    kernel(keys, keys, values, decays, betas, pool, pool, entries, counts)
 
 
 def _replay_in_torch(state: TargetState, slot: int, num_kept: int) -> None:
