@@ -203,3 +203,30 @@ def test_qwen35_4b_shapes_on_gpu():
     check_chained_equals_block(inputs, slots)
     check_row_alone_equals_batched(inputs, slots)
     check_replay_equals_prefix(inputs, slots, kept=[1, 16, 5, 0, 8, 15, 2, 12])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_index_views_at_any_offset_reuse_one_compiled_kernel():
+    """The batch commit passes slots and counts as views into one packed index tensor, 8-byte
+    aligned or 16 depending on the batch's mix; each new alignment used to compile another
+    variant mid-request (0.1-0.4 s). Both offsets must run the kernel compiled first."""
+    from target_service.kernels.gated_delta_recurrence import _recurrent_gated_delta_kernel
+
+    q, k, v, g, beta, pool = make_inputs(2, 3, 2, 4, 16, 16, torch.float32, seed=11, device="cuda")
+    packed = torch.tensor([2, 0, 1, 3, 0, 2], device="cuda")  # slots at offset 0 and at 1
+    counts = torch.tensor([3, 1, 2, 2], dtype=torch.int32, device="cuda")
+    results = []
+    for offset in (0, 1):
+        slots, num_tokens = packed[offset : offset + 2], counts[offset : offset + 2]
+        if offset == 0:
+            run(recurrent_gated_delta, q, k, v, g, beta, pool, slots, num_tokens)
+            cache = _recurrent_gated_delta_kernel.device_caches[torch.cuda.current_device()][0]
+            compiled = len(cache)
+        results.append(run(recurrent_gated_delta, q, k, v, g, beta, pool, slots, num_tokens))
+    assert packed[1:].data_ptr() % 16 == 8  # the second call really is 8-byte aligned
+    assert len(cache) == compiled
+    # And the unaligned views computed what fresh (aligned) copies compute.
+    expected = run(recurrent_gated_delta, q, k, v, g, beta, pool, packed[1:3].clone(),
+                   counts[1:3].clone())  # fmt: skip
+    assert torch.equal(results[1][1], expected[1]) and torch.equal(results[1][0], expected[0])

@@ -47,6 +47,10 @@ MAX_BLOCK_V = 8
 NUM_WARPS = 1
 
 
+# Triton compiles a variant per specialization key: the arguments that vary from call to call
+# (the token count, batch strides, and the index pointers, which the batch commit passes as
+# views into one packed tensor at odd offsets) stay out of it, so a new batch mix never
+# compiles mid-request (a compile took ~0.1-0.4 s on the H200: the 4-stream stalls).
 @triton.jit(
     do_not_specialize=[
         "T",
@@ -56,7 +60,8 @@ NUM_WARPS = 1
         "stride_g_b",
         "stride_beta_b",
         "stride_out_b",
-    ]
+    ],
+    do_not_specialize_on_alignment=["slots_ptr", "num_tokens_ptr"],
 )
 def _recurrent_gated_delta_kernel(
     q_ptr,
@@ -182,6 +187,7 @@ def recurrent_gated_delta(
     slots: torch.Tensor,
     num_tokens: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> None:
     """Advance the states of `slots` over a block of tokens; write outputs to `out` if given.
 
@@ -192,7 +198,9 @@ def recurrent_gated_delta(
     applied and written, None = all T; out [B, T, Hv, Dv] fp32, or None to write no outputs
     (replay). Rows beyond num_tokens[b] in `out` and slots not in `slots` are left untouched.
     No host sync and no allocation (T = 0 only copies the states, through a gather): safe
-    to capture in a CUDA graph.
+    to capture in a CUDA graph. launch: (BLOCK_V, num_warps) instead of the configuration
+    every serving call uses (for `bench.profile_recurrence`; results may differ in the last
+    bits between configurations, never between calls of one).
     """
     _check_arguments(q, k, v, g, beta, initial_states, final_states, slots, num_tokens, out)
     num_seqs, num_steps, num_key_heads, key_dim = q.shape
@@ -200,7 +208,7 @@ def recurrent_gated_delta(
         final_states[slots] = initial_states[slots]
         return
     num_value_heads, value_dim = v.shape[2], v.shape[3]
-    block_v = min(triton.next_power_of_2(value_dim), MAX_BLOCK_V)
+    block_v, num_warps = launch or (min(triton.next_power_of_2(value_dim), MAX_BLOCK_V), NUM_WARPS)
     grid = (num_seqs, num_value_heads, triton.cdiv(value_dim, block_v))
     out_strides = out.stride() if out is not None else (0, 0, 0, 0)
     _recurrent_gated_delta_kernel[grid](
@@ -232,7 +240,7 @@ def recurrent_gated_delta(
         EPS=L2_NORM_EPS,
         HAS_NUM_TOKENS=num_tokens is not None,
         HAS_OUT=out is not None,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
         enable_fp_fusion=False,
     )
 
