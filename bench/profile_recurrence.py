@@ -70,10 +70,12 @@ def main() -> None:
     parser.add_argument("--block-vs", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--commit", help="commit to record (default: git rev-parse)")
     args = parser.parse_args()
     serving = (MAX_BLOCK_V, NUM_WARPS)
     configs = sorted(set(itertools.product(args.block_vs, args.warps)) | {serving})
     record = run_facts("python -m bench.profile_recurrence") | {"serving": list(serving)}
+    record["commit"] = args.commit or record["commit"]
     record["rows"] = []
     for batch in args.batches:
         verify = inputs(batch, torch.bfloat16, 2 * batch, seed=batch)

@@ -229,4 +229,6 @@ def test_index_views_at_any_offset_reuse_one_compiled_kernel():
     # And the unaligned views computed what fresh (aligned) copies compute.
     expected = run(recurrent_gated_delta, q, k, v, g, beta, pool, packed[1:3].clone(),
                    counts[1:3].clone())  # fmt: skip
-    assert torch.equal(results[1][1], expected[1]) and torch.equal(results[1][0], expected[0])
+    # (Output rows past a row's count stay NaN, as `run` fills them: compared as equal.)
+    for got, want in zip(results[1], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
