@@ -40,7 +40,13 @@ def _inv_rms(x, D: tl.constexpr, eps, INTERPRETED: tl.constexpr):
     return libdevice.rsqrt(mean_sq + eps)
 
 
-@triton.jit
+# The row count per leading index (tokens of a context, heads of a q/k norm) varies from call
+# to call; specialised, 1 and multiples of 16 each compiled their own variant, in the middle
+# of a request (seen on the H200: a 145 ms draft while the drafter compiled one).
+ROW_COUNT_NOT_SPECIALISED = ["num_rows_b"]
+
+
+@triton.jit(do_not_specialize=ROW_COUNT_NOT_SPECIALISED)
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr,
     x_stride_a, x_stride_b, out_stride_a, out_stride_b, num_rows_b, eps,
@@ -104,7 +110,7 @@ def _add_rms_norm_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNT_NOT_SPECIALISED)
 def _gated_rms_norm_kernel(
     x_ptr, gate_ptr, w_ptr, out_ptr,
     x_stride_a, x_stride_b, gate_stride_a, gate_stride_b, out_stride_a, out_stride_b,

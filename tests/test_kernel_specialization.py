@@ -1,0 +1,78 @@
+"""Serving-path kernels compile one variant whatever the batch: their Triton specialization
+keys do not change with row counts or with the offsets of index views.
+
+A key that changes with the batch means a compile (0.1-0.4 s on the H200) in the middle of
+someone's request, the first time that batch shape comes along. Keys are computed with
+Triton's own specialization function (`tests/specialization_keys.py`), on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_serve.kernels.rms_norm import (
+    _gated_rms_norm_kernel,
+    _rms_norm_kernel,
+    gated_rms_norm,
+    rms_norm,
+)
+from target_service.kernels.gated_delta_recurrence import (
+    _recurrent_gated_delta_kernel,
+    recurrent_gated_delta,
+)
+from tests.specialization_keys import launch_keys
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN = 64
+# Token counts a drafter's context or a verify block can have (1, odd, 16, 32), as [n, D]
+# rows and as [B, n, D] batches.
+ROW_SHAPES = [(1, HIDDEN), (5, HIDDEN), (16, HIDDEN), (32, HIDDEN), (3, 7, HIDDEN), (2, 16, HIDDEN)]
+
+
+def distinct_keys(kernel, calls) -> set:
+    return {key for call in calls for key in launch_keys(kernel, call)}
+
+
+def test_rms_norm_compiles_one_variant_for_any_row_count():
+    weight = torch.randn(HIDDEN, device=DEVICE)
+    inputs = [torch.randn(shape, device=DEVICE) for shape in ROW_SHAPES]
+    calls = [lambda x=x: rms_norm(x, weight, 1e-6, True) for x in inputs]
+    assert len(distinct_keys(_rms_norm_kernel, calls)) == 1
+
+
+def test_gated_rms_norm_compiles_one_variant_for_any_row_count():
+    weight = torch.randn(HIDDEN, device=DEVICE)
+    inputs = [
+        (torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE))
+        for shape in ROW_SHAPES
+    ]
+    calls = [lambda x=x, g=g: gated_rms_norm(x, g, weight, 1e-6) for x, g in inputs]
+    assert len(distinct_keys(_gated_rms_norm_kernel, calls)) == 1
+
+
+def test_recurrence_compiles_one_variant_for_any_batch_and_index_offset():
+    """As the batch commit calls it: slots and per-row counts are views into one packed index
+    tensor at offsets that depend on the batch's mix; token counts 1..16; 1..3 rows."""
+    packed = torch.tensor([3, 0, 2, 1, 3, 0, 2], device=DEVICE)
+    counts = torch.tensor([1, 16, 5, 2, 16, 3, 1], dtype=torch.int32, device=DEVICE)
+    pool = torch.randn(4, 4, 16, 16, device=DEVICE)
+
+    def replay(offset: int, rows: int, tokens: int):
+        gen = torch.Generator().manual_seed(offset * 100 + rows * 10 + tokens)
+        k = torch.randn(rows, tokens, 2, 16, generator=gen).to(DEVICE)
+        v = torch.randn(rows, tokens, 4, 16, generator=gen).to(DEVICE)
+        g = -torch.rand(rows, tokens, 4, generator=gen).to(DEVICE)
+        beta = torch.rand(rows, tokens, 4, generator=gen).to(DEVICE)
+        slots = packed[offset : offset + rows]
+        num_tokens = counts[offset : offset + rows]
+        return lambda: recurrent_gated_delta(
+            k, k, v, g, beta, pool, pool.clone(), slots, num_tokens
+        )
+
+    calls = [
+        replay(offset, rows, tokens)
+        for offset in (0, 1, 2, 3)
+        for rows in (1, 2, 3)
+        for tokens in (1, 7, 16)
+    ]
+    assert len(distinct_keys(_recurrent_gated_delta_kernel, calls)) == 1
