@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from dflash_serve.kernels.block_attention import (
+    _combine_splits_kernel,
+    _split_attention_kernel,
+    block_attention,
+)
 from dflash_serve.kernels.rms_norm import (
     _gated_rms_norm_kernel,
     _rms_norm_kernel,
@@ -76,3 +81,20 @@ def test_recurrence_compiles_one_variant_for_any_batch_and_index_offset():
         for tokens in (1, 7, 16)
     ]
     assert len(distinct_keys(_recurrent_gated_delta_kernel, calls)) == 1
+
+
+def test_block_attention_compiles_one_variant_for_any_batch_and_block_length():
+    """Slots and starts as `ForwardBatch.on_device` and the drafter hold them: rows of one
+    [2, B] tensor, so the starts are 8-byte aligned for odd B."""
+    num_slots, cache_len, heads, kv_heads, head_dim = 4, 64, 4, 2, 16
+    key_cache = torch.randn(num_slots, cache_len, kv_heads, head_dim, device=DEVICE)
+    value_cache = torch.randn_like(key_cache)
+
+    def attend(batch: int, tokens: int):
+        q = torch.randn(batch, tokens, heads, head_dim, device=DEVICE)
+        ids = torch.tensor([[3, 0, 2][:batch], [5, 17, 30][:batch]], device=DEVICE)
+        return lambda: block_attention(q, key_cache, value_cache, ids[0], ids[1], 0.25)
+
+    calls = [attend(batch, tokens) for batch in (1, 2, 3) for tokens in (1, 5, 16)]
+    assert len(distinct_keys(_split_attention_kernel, calls)) == 1
+    assert len(distinct_keys(_combine_splits_kernel, calls)) == 1

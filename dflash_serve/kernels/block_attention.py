@@ -141,6 +141,12 @@ def _partial_index(seq, tokens, heads, chunk, num_tokens, num_heads, num_splits)
 
 # Value-specialising T, L or the strides and counts derived from them (and B) could compile a
 # different kernel per T, B or L.
+# Index pointers (slots, starts) may be views at any offset: `ForwardBatch.on_device` and the
+# drafter keep both in one [2, B] tensor, so the starts are 16-byte aligned only for even B;
+# specialised on alignment, odd and even batches compiled separate variants mid-request.
+INDEX_POINTERS = ["slots_ptr", "starts_ptr"]
+
+
 @triton.jit(
     do_not_specialize=[
         "num_tokens",
@@ -149,7 +155,8 @@ def _partial_index(seq, tokens, heads, chunk, num_tokens, num_heads, num_splits)
         "num_split_programs",
         "q_stride_b",
         "q_stride_t",
-    ]
+    ],
+    do_not_specialize_on_alignment=INDEX_POINTERS,
 )
 def _split_attention_kernel(
     q_ptr,
@@ -274,7 +281,10 @@ def _split_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits", "o_stride_b", "o_stride_t"])
+@triton.jit(
+    do_not_specialize=["num_tokens", "num_splits", "o_stride_b", "o_stride_t"],
+    do_not_specialize_on_alignment=INDEX_POINTERS,
+)
 def _combine_splits_kernel(
     partial_out_ptr,
     partial_max_ptr,
