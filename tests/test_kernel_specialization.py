@@ -98,3 +98,27 @@ def test_block_attention_compiles_one_variant_for_any_batch_and_block_length():
     calls = [attend(batch, tokens) for batch in (1, 2, 3) for tokens in (1, 5, 16)]
     assert len(distinct_keys(_split_attention_kernel, calls)) == 1
     assert len(distinct_keys(_combine_splits_kernel, calls)) == 1
+
+
+def test_row_wise_kernels_compile_one_variant_for_any_row_count():
+    """The matmul (dense rows 1..128: a decode token up to 8 verify blocks), the SwiGLU and
+    the per-head norm with rotary, as the verify and draft steps call them."""
+    from dflash_serve.kernels.norm_rotary import _norm_rotary_kernel, norm_rotary
+    from dflash_serve.kernels.row_matmul import _row_matmul_kernel, row_matmul
+    from dflash_serve.kernels.silu_mul import _silu_mul_kernel, silu_mul
+
+    weight = torch.randn(32, HIDDEN, device=DEVICE).to(torch.bfloat16)
+    rows = (1, 5, 16, 17, 128)
+    inputs = [torch.randn(m, HIDDEN, device=DEVICE).to(torch.bfloat16) for m in rows]
+    matmuls = [lambda x=x: row_matmul(x, weight) for x in inputs]
+    assert len(distinct_keys(_row_matmul_kernel, matmuls)) == 1
+    swiglus = [lambda g=x: silu_mul(g, torch.randn_like(g)) for x in inputs]
+    assert len(distinct_keys(_silu_mul_kernel, swiglus)) == 1
+    norm_weight = torch.randn(16, device=DEVICE)
+
+    def rotated(tokens: int):
+        x = torch.randn(tokens, 4, 16, device=DEVICE)
+        cos, sin = torch.randn(tokens, 8, device=DEVICE), torch.randn(tokens, 8, device=DEVICE)
+        return lambda: norm_rotary(x, norm_weight, 1e-6, True, cos, sin)
+
+    assert len(distinct_keys(_norm_rotary_kernel, [rotated(t) for t in rows])) == 1
