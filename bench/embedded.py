@@ -288,8 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
     pair = PairInProcess(
         args.target, args.drafter, args.device, args.max_context_tokens, args.adaptive_drafting
     )
+    source = args.prompts or "the built-in questions (give --prompts for held-out ones)"
     progress(
-        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.device} ({pair.dtype})"
+        f"{len(prompts)} prompts from {source}, {args.max_new_tokens} new tokens, "
+        f"{args.device} ({pair.dtype})"
     )
     key = "gpu" if args.device == "cuda" else "cpu"
     try:
@@ -304,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": facts["torch"],
         "target": str(args.target),
         "drafter": str(args.drafter),
+        "prompts": str(args.prompts) if args.prompts else "built-in questions",
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "adaptive_drafting": args.adaptive_drafting,
