@@ -154,3 +154,29 @@ def test_exported_drafter_loads_with_identical_weights(tmp_path):
     loaded = load_drafter(tmp_path / "drafter", tmp_path / "target", torch.float32, "cpu")
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16).float()), name
+
+
+def test_a_saved_drafter_continues_training_from_its_weights(tmp_path):
+    """`--init-drafter`: training resumes from the saved weights (bf16 on disk), trainable."""
+    _, drafter = _trained_pair(tmp_path)
+    save_drafter(drafter, DRAFTER, tmp_path / "drafter")
+    resumed = init_drafter(DRAFTER, tmp_path / "target", 0, "cpu", from_dir=tmp_path / "drafter")
+    fresh = init_drafter(DRAFTER, tmp_path / "target", 0, "cpu")
+    assert resumed.training
+    trainable = {name for name, p in resumed.named_parameters() if p.requires_grad}
+    assert trainable == {name for name, _ in drafter.named_parameters()}
+    for name, tensor in drafter.state_dict().items():
+        saved = tensor.to(torch.bfloat16).float()
+        assert torch.equal(resumed.state_dict()[name], saved), name
+    assert not all(
+        torch.equal(fresh.state_dict()[name], resumed.state_dict()[name])
+        for name in fresh.state_dict()
+    )
+
+
+def test_embedded_drafter_depth_is_configurable():
+    from training.embedded_configs import embedded_drafter_config
+
+    config = embedded_drafter_config(4096, 5, num_layers=5)
+    assert config["num_hidden_layers"] == 5 and config["layer_types"] == ["full_attention"] * 5
+    assert embedded_drafter_config(4096, 5)["num_hidden_layers"] == 3

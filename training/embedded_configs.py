@@ -36,17 +36,18 @@ def embedded_target_config(vocab_size: int, eos_token_ids: list[int]) -> dict:
     )
 
 
-def embedded_drafter_config(vocab_size: int, mask_token_id: int) -> dict:
-    """3 full-attention layers reading target layers 1, 3 and 5."""
+def embedded_drafter_config(vocab_size: int, mask_token_id: int, num_layers: int = 3) -> dict:
+    """`num_layers` full-attention layers (the shipped drafter: 3, ~1.3 M parameters each
+    beside the shared embeddings) reading target layers 1, 3 and 5."""
     return dict(
         DFLASH_4B,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=INTERMEDIATE_SIZE,
-        num_hidden_layers=3,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        layer_types=["full_attention"] * 3,
+        layer_types=["full_attention"] * num_layers,
         sliding_window=None,
         vocab_size=vocab_size,
         dflash_config={"target_layer_ids": [1, 3, 5], "mask_token_id": mask_token_id},

@@ -102,6 +102,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="a target dir trained earlier (with its tokenizer): train only the drafter",
     )
+    parser.add_argument(
+        "--drafter-layers", type=int, help="drafter depth (default 3, as the shipped one)"
+    )
+    parser.add_argument(
+        "--init-drafter",
+        type=Path,
+        help="continue training this saved drafter (its own depth) instead of a random one",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--drafter-budget-s", type=float, default=120.0)
     parser.add_argument("--drafter-steps", type=int)
@@ -173,8 +181,17 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         training_sequences = generated
 
-    drafter_config = embedded_drafter_config(tokenizer.get_vocab_size(), specials["<|mask|>"])
-    drafter = init_drafter(drafter_config, target_dir, args.seed, args.device)
+    drafter_config = embedded_drafter_config(
+        tokenizer.get_vocab_size(), specials["<|mask|>"], args.drafter_layers or 3
+    )
+    if args.init_drafter:
+        drafter_config = json.loads((args.init_drafter / "config.json").read_text())
+        drafter_config.pop("dtype", None)
+        depth = drafter_config["num_hidden_layers"]
+        if args.drafter_layers not in (None, depth):
+            raise SystemExit(f"--drafter-layers {args.drafter_layers}: --init-drafter has {depth}")
+        record["drafter_init"] = str(args.init_drafter)
+    drafter = init_drafter(drafter_config, target_dir, args.seed, args.device, args.init_drafter)
     drafter_settings = DrafterTraining(
         batch_seqs=args.drafter_batch,
         anchors_per_seq=args.anchors_per_seq,

@@ -45,11 +45,18 @@ class GeneratedSequence:
     first_anchor: int  # the prompt length: drafting starts at the first generated token
 
 
-def init_drafter(config: dict, target_dir: Path, seed: int, device: str) -> DFlashDrafter:
-    """A trainable fp32 drafter (seeded random init) bound to the trained target's embeddings."""
-    with tempfile.TemporaryDirectory(prefix="dflash-init-") as workdir:
-        write_drafter(Path(workdir), config, seed=seed)
-        drafter = load_drafter(workdir, target_dir, torch.float32, device)
+def init_drafter(
+    config: dict, target_dir: Path, seed: int, device: str, from_dir: Path | None = None
+) -> DFlashDrafter:
+    """A trainable fp32 drafter bound to the trained target's embeddings: seeded random
+    weights, or (from_dir) a drafter saved earlier, to train on where a run stopped (one
+    GPU command is limited to minutes; the optimizer's moments and schedule start afresh)."""
+    if from_dir is not None:
+        drafter = load_drafter(from_dir, target_dir, torch.float32, device)
+    else:
+        with tempfile.TemporaryDirectory(prefix="dflash-init-") as workdir:
+            write_drafter(Path(workdir), config, seed=seed)
+            drafter = load_drafter(workdir, target_dir, torch.float32, device)
     drafter.train()
     for parameter in drafter.parameters():
         parameter.requires_grad_(True)
