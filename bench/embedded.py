@@ -288,9 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
     pair = PairInProcess(
         args.target, args.drafter, args.device, args.max_context_tokens, args.adaptive_drafting
     )
-    source = args.prompts or "the built-in questions (give --prompts for held-out ones)"
+    prompt_source = str(args.prompts) if args.prompts else "built-in questions"
     progress(
-        f"{len(prompts)} prompts from {source}, {args.max_new_tokens} new tokens, "
+        f"{len(prompts)} prompts from {prompt_source}, {args.max_new_tokens} new tokens, "
         f"{args.device} ({pair.dtype})"
     )
     key = "gpu" if args.device == "cuda" else "cpu"
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": facts["torch"],
         "target": str(args.target),
         "drafter": str(args.drafter),
-        "prompts": str(args.prompts) if args.prompts else "built-in questions",
+        "prompts": prompt_source,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "adaptive_drafting": args.adaptive_drafting,

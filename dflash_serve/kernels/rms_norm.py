@@ -42,7 +42,7 @@ def _inv_rms(x, D: tl.constexpr, eps, INTERPRETED: tl.constexpr):
 
 # The row count per leading index (tokens of a context, heads of a q/k norm) varies from call
 # to call; specialised, 1 and multiples of 16 each compiled their own variant, in the middle
-# of a request (seen on the H200: a 145 ms draft while the drafter compiled one).
+# of a request (on the H200 one was compiled at the moment of a 145 ms draft).
 ROW_COUNT_NOT_SPECIALISED = ["num_rows_b"]
 
 
