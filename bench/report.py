@@ -81,6 +81,16 @@ def markdown(r: dict) -> str:
             "Throughput at τ = 6: "
             + ", ".join(f"{n} streams {c['tok_s']:.1f} tok/s" for n, c in concurrency.items()),
         ]
+        if any("rounds_tok_s" in c for c in concurrency.values()):
+            lines.append(
+                "(median of measured rounds; each round's tok/s: "
+                + "; ".join(
+                    f"{n}: {', '.join(f'{t:.0f}' for t in c['rounds_tok_s'])}"
+                    for n, c in concurrency.items()
+                    if "rounds_tok_s" in c
+                )
+                + ")"
+            )
         for n, c in concurrency.items():
             if "batching" in c:
                 lines.append(f"- {n} streams, batching: {json.dumps(c['batching'])}")

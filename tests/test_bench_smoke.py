@@ -18,6 +18,8 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
             str(tmp_path),
             "--skip",
             "transformers",
+            "--concurrency-rounds",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -50,8 +52,19 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
     assert results["spec_equals_ar"]["batch8"]["equal"]
     assert {"gateway_tok_s", "direct_tok_s", "http_overhead_ms_per_token"} <= set(results["http"])
     for count, entry in results["concurrency"].items():
+        assert len(entry["rounds_tok_s"]) == 2
+        assert entry["tok_s"] == min(entry["rounds_tok_s"]), "the lower middle of two rounds"
         for service in ("target", "drafter"):
             batching = entry["batching"][service]
             assert batching["batches"] > 0 and batching["inline_batches"] == 0  # CPU path
             assert 1 <= batching["mean_batch_size"] <= int(count), (count, batching)
     assert (tmp_path / "latest.md").read_text().startswith("# Benchmark suite")
+
+
+def test_median_round_reports_one_whole_round():
+    from bench.suite import median_round
+
+    rounds = [{"tok_s": t, "verify_ms": {"max_wall": t / 10}} for t in (900.0, 300.0, 600.0)]
+    assert median_round(rounds) == {"tok_s": 600.0, "verify_ms": {"max_wall": 60.0}}
+    assert median_round(rounds[:2])["tok_s"] == 300.0
+    assert median_round(rounds[:1])["tok_s"] == 900.0
