@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash_serve.checkpoint.synthetic import (
@@ -19,6 +20,7 @@ from target_service.model.state import StateShape
 from training.drafter_blocks import block_logits, block_loss, sample_anchors
 from training.export import save_drafter, save_target
 from training.generate import generate_greedy
+from training.generation_cache import cached_answers
 from training.schedule import OptimSettings
 from training.target_lm import forward_rows, init_target
 from training.train_drafter import init_drafter
@@ -180,3 +182,30 @@ def test_embedded_drafter_depth_is_configurable():
     config = embedded_drafter_config(4096, 5, num_layers=5)
     assert config["num_hidden_layers"] == 5 and config["layer_types"] == ["full_attention"] * 5
     assert embedded_drafter_config(4096, 5)["num_hidden_layers"] == 3
+
+
+def test_cached_answers_are_reused_only_for_the_same_target_and_prompts(tmp_path):
+    target = init_target(TARGET, seed=3, device="cpu").eval()
+    save_target(target, TARGET, tmp_path / "target")
+    prompts = [[5, 9, 11], [30, 31]]
+    calls = []
+
+    def generate():
+        calls.append(1)
+        return generate_greedy(target, prompts, 6, [EOS], log=lambda _: None)
+
+    cache = tmp_path / "cache" / "generations.json"
+    first, reused = cached_answers(cache, tmp_path / "target", prompts, 6, [EOS], generate)
+    assert not reused and len(calls) == 1
+    again, reused = cached_answers(cache, tmp_path / "target", prompts, 6, [EOS], generate)
+    assert reused and len(calls) == 1 and again == first
+    assert first == generate_greedy(target, prompts, 6, [EOS], log=lambda _: None)
+    with pytest.raises(ValueError, match="prompts"):
+        cached_answers(cache, tmp_path / "target", prompts[:1], 6, [EOS], generate)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        cached_answers(cache, tmp_path / "target", prompts, 7, [EOS], generate)
+    other = init_target(TARGET, seed=4, device="cpu")
+    save_target(other, TARGET, tmp_path / "other")
+    with pytest.raises(ValueError, match="target_weights_sha256"):
+        cached_answers(cache, tmp_path / "other", prompts, 6, [EOS], generate)
+    assert len(calls) == 1

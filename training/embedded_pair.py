@@ -39,6 +39,7 @@ from training.drafter_eval import walk_tau
 from training.embedded_configs import embedded_drafter_config, embedded_target_config
 from training.export import save_drafter, save_target
 from training.generate import generate_greedy
+from training.generation_cache import cached_answers
 from training.schedule import OptimSettings
 from training.target_lm import init_target
 from training.tokenizer import conversation_ids, train_tokenizer, write_tokenizer
@@ -110,6 +111,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="continue training this saved drafter (its own depth) instead of a random one",
     )
+    parser.add_argument(
+        "--generations",
+        type=Path,
+        help="the target's answers: reused from this file when it matches the target and "
+        "prompts, else generated and written there (default OUT_DIR/generations.json)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--drafter-budget-s", type=float, default=120.0)
     parser.add_argument("--drafter-steps", type=int)
@@ -158,7 +165,14 @@ def main(argv: list[str] | None = None) -> dict:
     questions += [invented_question(corpus.train, rng, known) for _ in range(args.num_invented)]
     prompts = [tokenizer.encode(prompt_text(q)).ids for q in questions]
     began = time.perf_counter()
-    answers = generate_greedy(target, prompts, args.max_new_tokens, eos_ids, log=log)
+    answers, reused = cached_answers(
+        args.generations or args.out_dir / "generations.json",
+        target_dir,
+        prompts,
+        args.max_new_tokens,
+        eos_ids,
+        lambda: generate_greedy(target, prompts, args.max_new_tokens, eos_ids, log=log),
+    )
     generated = [
         GeneratedSequence(p + a, len(p))
         for p, a in zip(prompts, answers, strict=True)
@@ -169,8 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
         "num_tokens": sum(map(len, answers)),
         "seconds": round(time.perf_counter() - began, 1),
         "max_new_tokens": args.max_new_tokens,
+        "reused": reused,
     }
-    log(f"generated {record['generation']}")
+    log(f"{'reused' if reused else 'generated'} {record['generation']}")
     if args.num_swapped:
         swap_questions = [
             invented_question(corpus.train, rng, known) for _ in range(args.num_swapped)
