@@ -103,6 +103,32 @@ class TargetEngine:
             )
         self.block_prefill_max_tokens = block_prefill_max_tokens
 
+    def warm_up(self) -> None:
+        """Run once each step outside the verify graphs whose kernels Triton compiles on first
+        use, so that they compile (and autotune) at start-up rather than while requests wait:
+        a batch commit that replays partial blocks (on the H200 its recurrence variant compiled
+        during the first 4-stream round), a single partial commit, and an eager chunked
+        prefill. Every slot is free and empty afterwards."""
+        if self.state.shape.max_len < 2 + self.state.shape.max_block_tokens:
+            return  # too short for a prompt token and two blocks: nothing a request could run
+        count = min(2, self.state.shape.max_slots)
+        slots = [self.open_sequence() for _ in range(count)]
+        try:
+            block = [0] * self.state.shape.max_block_tokens
+            for slot in slots:
+                self.prefill(slot, [0])
+            self.verify(slots, [block] * count)
+            self.commit_many(slots, [1] * count)
+            self.verify(slots[:1], [block])
+            self.commit(slots[0], 1)
+            longest_block_prefill = self.block_prefill_max_tokens + 1
+            if self.state.lengths[slots[-1]] + longest_block_prefill <= self.state.shape.max_len:
+                self.prefill(slots[-1], [0] * longest_block_prefill)
+        finally:
+            for slot in slots:
+                self.state.reset_slot(slot)
+                self.close_sequence(slot)
+
     def open_sequence(self) -> int:
         """Reserve a slot with empty state; CapacityError when all are in use."""
         slot = self.slots.acquire()

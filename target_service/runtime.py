@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -44,6 +45,10 @@ class TargetRuntime:
                 share_features=service.device.startswith("cuda"),
                 graph_batch_sizes=graph_batch_sizes,
             )
+            if is_fast:
+                began = time.perf_counter()
+                self.engine.warm_up()
+                logger.info("kernels warmed up in %.1f s", time.perf_counter() - began)
         self.target = InProcessTarget(
             self.engine,
             service.max_batch_size,

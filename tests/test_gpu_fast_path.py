@@ -284,6 +284,50 @@ def test_short_prompts_prefill_as_graph_verify_blocks(kernel_model):
     assert torch.equal(chunked.taps, plain.taps)
 
 
+def serve_a_mix(engine):
+    """Steps as concurrent sessions produce them: a batch with partly rejected blocks, a
+    single partly rejected block, a long prompt. Returns the logits seen."""
+    slots = [engine.open_sequence() for _ in range(3)]
+    seen = [engine.prefill(slot, PROMPT[: 4 + i]).last_logits for i, slot in enumerate(slots)]
+    seen.append(engine.verify(slots, [BLOCK, BLOCK[::-1], BLOCK[:9]]).logits)
+    engine.commit_many(slots, [3, 16, 5])
+    seen.append(engine.verify(slots[:1], [BLOCK]).logits)
+    engine.commit(slots[0], 7)
+    seen.append(decode(engine, slots[1], BLOCK[:4]))
+    fresh = engine.open_sequence()
+    seen.append(engine.prefill(fresh, PROMPT * 4).last_logits)
+    for slot in [*slots, fresh]:
+        engine.close_sequence(slot)
+    return seen
+
+
+def test_warm_up_leaves_every_slot_free_and_outputs_unchanged(tiny_dir):
+    model = load_target_model(tiny_dir, torch.bfloat16, "cpu")  # the steps, not the kernels
+    warmed, fresh = new_engine(model), new_engine(model)
+    warmed.warm_up()
+    assert warmed.slots.num_active == 0
+    assert all(length == 0 for length in warmed.state.lengths)
+    for got, want in zip(serve_a_mix(warmed), serve_a_mix(fresh), strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_after_warm_up_serving_compiles_no_recurrence_variant(kernel_model):
+    """On the H200 the batch commit's recurrence variant compiled during the first 4-stream
+    round (a stall of ~0.1-1 s); the start-up warm-up must compile every variant serving
+    reaches, from an empty cache."""
+    from target_service.kernels.gated_delta_recurrence import _recurrent_gated_delta_kernel
+
+    _recurrent_gated_delta_kernel.device_caches.clear()
+    engine = new_engine(kernel_model, (1, 2, 3), block_prefill_max_tokens=32)
+    engine.warm_up()
+    cache = _recurrent_gated_delta_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(cache)
+    serve_a_mix(engine)
+    assert len(cache) == compiled
+
+
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["bf16", "int4_all"])
