@@ -103,18 +103,20 @@ class TargetEngine:
             )
         self.block_prefill_max_tokens = block_prefill_max_tokens
 
-    def warm_up(self) -> None:
+    def warm_up(self, max_batch_size: int = 2) -> None:
         """Run once each step outside the verify graphs whose kernels Triton compiles on first
         use, so that they compile (and autotune) at start-up rather than while requests wait:
         a batch commit that replays partial blocks (on the H200 its recurrence variant compiled
         during the first 4-stream round), a single partial commit, and an eager chunked
-        prefill. Every slot is free and empty afterwards."""
-        if self.state.shape.max_len < 2 + self.state.shape.max_block_tokens:
+        prefill. max_batch_size: the scheduler's (1: no batch step is warmed, as none runs).
+        Every slot is free and empty afterwards."""
+        shape = self.state.shape
+        if shape.max_len < 2 + shape.max_block_tokens:
             return  # too short for a prompt token and two blocks: nothing a request could run
-        count = min(2, self.state.shape.max_slots)
+        count = min(2, shape.max_slots, max_batch_size)
         slots = [self.open_sequence() for _ in range(count)]
         try:
-            block = [0] * self.state.shape.max_block_tokens
+            block = [0] * shape.max_block_tokens
             for slot in slots:
                 self.prefill(slot, [0])
             self.verify(slots, [block] * count)
@@ -122,10 +124,11 @@ class TargetEngine:
             self.verify(slots[:1], [block])
             self.commit(slots[0], 1)
             longest_block_prefill = self.block_prefill_max_tokens + 1
-            if self.state.lengths[slots[-1]] + longest_block_prefill <= self.state.shape.max_len:
-                self.prefill(slots[-1], [0] * longest_block_prefill)
+            if longest_block_prefill <= shape.max_len:  # from position 0, as a request's
+                self.state.reset_slot(slots[0])
+                self.prefill(slots[0], [0] * longest_block_prefill)
         finally:
-            for slot in slots:
+            for slot in reversed(slots):  # the allocator hands out the lowest free slot first
                 self.state.reset_slot(slot)
                 self.close_sequence(slot)
 

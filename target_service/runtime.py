@@ -47,7 +47,7 @@ class TargetRuntime:
             )
             if is_fast:
                 began = time.perf_counter()
-                self.engine.warm_up()
+                self.engine.warm_up(service.max_batch_size)
                 logger.info("kernels warmed up in %.1f s", time.perf_counter() - began)
         self.target = InProcessTarget(
             self.engine,

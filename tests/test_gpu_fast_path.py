@@ -307,8 +307,20 @@ def test_warm_up_leaves_every_slot_free_and_outputs_unchanged(tiny_dir):
     warmed.warm_up()
     assert warmed.slots.num_active == 0
     assert all(length == 0 for length in warmed.state.lengths)
+    assert warmed.open_sequence() == 0  # the allocator's lowest-first order survives
+    warmed.close_sequence(0)
     for got, want in zip(serve_a_mix(warmed), serve_a_mix(fresh), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "max_slots, max_len, max_batch_size", [(1, 256, 1), (4, 17, 4), (2, 18, 1)]
+)
+def test_warm_up_fits_any_state_shape(tiny_dir, max_slots, max_len, max_batch_size):
+    model = load_target_model(tiny_dir, torch.bfloat16, "cpu")
+    engine = TargetEngine(model, StateShape(max_slots=max_slots, max_len=max_len), (1,))
+    engine.warm_up(max_batch_size)
+    assert engine.slots.num_active == 0 and all(n == 0 for n in engine.state.lengths)
 
 
 @needs_gpu
