@@ -194,18 +194,34 @@ def test_cached_answers_are_reused_only_for_the_same_target_and_prompts(tmp_path
         calls.append(1)
         return generate_greedy(target, prompts, 6, [EOS], log=lambda _: None)
 
+    def cached(path, target_dir=tmp_path / "target", prompts=prompts, max_new=6,
+               numerics="float32 on cpu", **options):  # fmt: skip
+        return cached_answers(path, target_dir, prompts, max_new, [EOS], numerics, generate,
+                              log=lambda _: None, **options)  # fmt: skip
+
     cache = tmp_path / "cache" / "generations.json"
-    first, reused = cached_answers(cache, tmp_path / "target", prompts, 6, [EOS], generate)
-    assert not reused and len(calls) == 1
-    again, reused = cached_answers(cache, tmp_path / "target", prompts, 6, [EOS], generate)
+    first, reused = cached(cache)
+    assert (
+        not reused and len(calls) == 1 and not cache.with_name("generations.json.partial").exists()
+    )
+    again, reused = cached(cache)
     assert reused and len(calls) == 1 and again == first
     assert first == generate_greedy(target, prompts, 6, [EOS], log=lambda _: None)
     with pytest.raises(ValueError, match="prompts"):
-        cached_answers(cache, tmp_path / "target", prompts[:1], 6, [EOS], generate)
+        cached(cache, prompts=prompts[:1])
     with pytest.raises(ValueError, match="max_new_tokens"):
-        cached_answers(cache, tmp_path / "target", prompts, 7, [EOS], generate)
+        cached(cache, max_new=7)
+    with pytest.raises(ValueError, match="numerics"):
+        cached(cache, numerics="bfloat16 on cuda")
     other = init_target(TARGET, seed=4, device="cpu")
     save_target(other, TARGET, tmp_path / "other")
-    with pytest.raises(ValueError, match="target_weights_sha256"):
-        cached_answers(cache, tmp_path / "other", prompts, 6, [EOS], generate)
+    with pytest.raises(ValueError, match="target_sha256"):
+        cached(cache, target_dir=tmp_path / "other")
     assert len(calls) == 1
+    # A default path left by an earlier run is replaced, not refused; so is a torn file.
+    _, reused = cached(cache, prompts=prompts[:1], refuse_other=False)
+    assert not reused and len(calls) == 2
+    cache.write_text('{"prompts": [[5')
+    _, reused = cached(cache, prompts=prompts[:1], refuse_other=False)
+    assert not reused and len(calls) == 3
+    assert cached(cache, prompts=prompts[:1])[1]

@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a target dir trained earlier (with its tokenizer): train only the drafter",
     )
     parser.add_argument(
-        "--drafter-layers", type=int, help="drafter depth (default 3, as the shipped one)"
+        "--drafter-layers", type=int, help="drafter depth (default 3; the shipped drafter has 6)"
     )
     parser.add_argument(
         "--init-drafter",
@@ -114,8 +114,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--generations",
         type=Path,
-        help="the target's answers: reused from this file when it matches the target and "
-        "prompts, else generated and written there (default OUT_DIR/generations.json)",
+        help="the target's answers: reused from this file when it matches the target, numerics "
+        "and prompts, else generated and written there; a named file for anything else is "
+        "refused (default OUT_DIR/generations.json, replaced when it does not match)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--drafter-budget-s", type=float, default=120.0)
@@ -171,7 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
         prompts,
         args.max_new_tokens,
         eos_ids,
+        f"{str(served_dtype).removeprefix('torch.')} on {torch.device(args.device).type}",
         lambda: generate_greedy(target, prompts, args.max_new_tokens, eos_ids, log=log),
+        refuse_other=args.generations is not None,
+        log=log,
     )
     generated = [
         GeneratedSequence(p + a, len(p))
