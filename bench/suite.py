@@ -432,6 +432,10 @@ def main() -> None:
         help="sections to skip: layouts transformers e2e in_process",
     )
     args = parser.parse_args()
+    if args.concurrency_rounds < 1:
+        parser.error(
+            f"--concurrency-rounds {args.concurrency_rounds}: at least 1 round is measured"
+        )
     if args.smoke:
         args.new_tokens = min(args.new_tokens, 16)
     if "bf16" not in args.layouts:
