@@ -12,7 +12,7 @@ from target_service.model.loader import load_target_model
 from training.drafter_eval import walk_accepted
 from training.generate import generate_greedy
 from training.generation_cache import target_digest
-from training.lookup_ceiling import SuffixLookup, lookup_tau, main, recited_share
+from training.lookup_ceiling import SuffixLookup, is_recital, lookup_tau, main, recited_share
 
 EOS = 99
 
@@ -25,6 +25,13 @@ def test_lookup_drafts_what_followed_the_longest_matching_suffix():
     assert lookup.correct_drafts([0, 2, 3], [8, 9]) == 0
     assert lookup.correct_drafts([42], [1]) == 0  # no suffix found
     assert lookup.correct_drafts([6], [7]) == 0  # answers do not run into each other
+
+
+def test_a_recital_is_mostly_one_training_answers_start():
+    training = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 9]]
+    assert is_recital([1, 2, 3, 4, 5, 6, 7, 8, 9, 0], training)  # 9 of 10
+    assert not is_recital([1, 2, 3, 4, 5, 6, 7, 8, 0, 0], training)  # 8 of 10
+    assert not is_recital([2, 3, 4], training)  # inside an answer, not its start
 
 
 def test_lookup_tau_walks_as_served():
@@ -75,3 +82,7 @@ def test_main_measures_the_shipped_pair(tmp_path):
     assert unrelated["recited_share_after_8_tokens"] == 0.0
     assert unrelated["tau_lookup"] == 1.0
     assert recited["tau_dflash"] == unrelated["tau_dflash"]  # the same generations
+    assert recited["recited_answers"]["num_prompts"] == 2
+    assert recited["recited_answers"]["tau_lookup"] == recited["tau_lookup"]
+    assert unrelated["other_answers"]["num_prompts"] == 2
+    assert unrelated["other_answers"]["tau_dflash"] == unrelated["tau_dflash"]

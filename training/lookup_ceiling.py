@@ -86,6 +86,36 @@ def recited_share(lookup: SuffixLookup, answers, n: int = 8) -> float:
     return hits / max(total, 1)
 
 
+def is_recital(answer: list[int], training_answers: list[list[int]], share: float = 0.9) -> bool:
+    """Whether at least `share` of the answer is the start of one training answer."""
+    need = share * len(answer)
+    for other in training_answers:
+        same = 0
+        for mine, theirs in zip(answer, other, strict=False):
+            if mine != theirs:
+                break
+            same += 1
+        if same >= need:
+            return True
+    return False
+
+
+def measure(drafter, target, lookup, pairs, max_new_tokens, eos_ids) -> dict:
+    """Both drafters' served-equivalent τ on (prompt, answer) pairs, and the recited share."""
+    answers = [answer for _, answer in pairs]
+    tau, steps = lookup_tau(lookup, answers, max_new_tokens, eos_ids)
+    walk = walk_tau(drafter, target, pairs, max_new_tokens, eos_ids)
+    return {
+        "num_prompts": len(pairs),
+        "tau_lookup": round(tau, 3),
+        "lookup_steps": steps,
+        "tau_dflash": walk.tau,
+        "dflash_steps": walk.num_steps,
+        "dflash_accept_per_position": walk.accept_per_position,
+        "recited_share_after_8_tokens": round(recited_share(lookup, answers), 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=Path, default=EMBEDDED_DIR / "target")
@@ -115,26 +145,23 @@ def main(argv: list[str] | None = None) -> dict:
     answers = generate_greedy(target, prompts, args.max_new_tokens, eos_ids, log=lambda _: None)
 
     lookup = SuffixLookup(saved["answers"])
-    tau, steps = lookup_tau(lookup, answers, args.max_new_tokens, eos_ids)
     drafter = load_drafter(args.drafter, args.target, torch.float32, "cpu").eval()
-    walk = walk_tau(drafter, target, list(zip(prompts, answers, strict=True)),
-                    args.max_new_tokens, eos_ids)  # fmt: skip
+    pairs = list(zip(prompts, answers, strict=True))
+    recital = [is_recital(answer, saved["answers"]) for answer in answers]
     argv = sys.argv[1:] if argv is None else argv
     record = run_facts("python -m training.lookup_ceiling " + " ".join(argv))
     record |= {
         "commit": args.commit or record["commit"],
         "prompts": str(args.prompts),
-        "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "generations": f"{args.generations} ({saved.get('numerics')}, "
         f"{len(saved['answers'])} answers, {len(lookup.tokens)} tokens)",
-        "tau_lookup": round(tau, 3),
-        "lookup_steps": steps,
-        "tau_dflash": walk.tau,
-        "dflash_steps": walk.num_steps,
-        "dflash_accept_per_position": walk.accept_per_position,
-        "recited_share_after_8_tokens": round(recited_share(lookup, answers), 3),
     }
+    record |= measure(drafter, target, lookup, pairs, args.max_new_tokens, eos_ids)
+    # Answers that are (>= 90 %) one training answer's start, and the others.
+    for name, keep in (("recited_answers", True), ("other_answers", False)):
+        group = [pair for pair, is_one in zip(pairs, recital, strict=True) if is_one == keep]
+        record[name] = measure(drafter, target, lookup, group, args.max_new_tokens, eos_ids)
     print(json.dumps(record, indent=1))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")
