@@ -14,6 +14,7 @@ drafter's served-equivalent τ on training and held-out prompts, `validation`). 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -121,6 +122,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--drafter-budget-s", type=float, default=120.0)
     parser.add_argument("--drafter-steps", type=int)
+    parser.add_argument(
+        "--drafter-peak-lr",
+        type=float,
+        default=1e-3,
+        help="the drafter's peak learning rate (a run continuing with --init-drafter may "
+        "want less: each run starts its own warm-up and cosine schedule)",
+    )
+    parser.add_argument("--drafter-warmup-steps", type=int, default=50)
     parser.add_argument("--drafter-batch", type=int, default=64)
     parser.add_argument("--anchors-per-seq", type=int, default=16)
     parser.add_argument("--commit", help="commit to record (default: git rev-parse)")
@@ -216,11 +225,12 @@ def main(argv: list[str] | None = None) -> dict:
         anchors_per_seq=args.anchors_per_seq,
         budget_s=args.drafter_budget_s,
         num_steps=args.drafter_steps,
-        optim=OptimSettings(peak_lr=1e-3, warmup_steps=50),
+        optim=OptimSettings(args.drafter_peak_lr, args.drafter_warmup_steps),
         seed=args.seed,
         pick_by_length=args.pick_by_length,
     )
     pad_id = specials["<|endoftext|>"]
+    record["drafter_optim"] = dataclasses.asdict(drafter_settings.optim)
     record["drafter_training"] = train_drafter(
         drafter, target, training_sequences, drafter_settings, pad_id, log
     )

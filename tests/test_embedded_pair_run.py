@@ -1,0 +1,36 @@
+"""training.embedded_pair end to end on the CPU, in miniature: against the shipped target."""
+
+from __future__ import annotations
+
+import json
+
+from launcher.embedded_default import EMBEDDED_DIR
+from training.corpus import Conversation, Corpus, save_corpus
+from training.embedded_pair import main
+
+
+def test_a_drafter_run_records_its_schedule_and_reuses_its_answers(tmp_path):
+    conversations = [
+        Conversation(name, f"What does `{name}` do?", f"{name} returns its argument.")
+        for name in ("textwrap.dedent", "os.path.join", "json.dumps")
+    ]
+    corpus = tmp_path / "corpus.json"
+    save_corpus(Corpus(tuple(conversations[:2]), tuple(conversations[2:]), "test"), corpus)
+    argv = [
+        "--corpus", str(corpus), "--reuse-target", str(EMBEDDED_DIR / "target"),
+        "--device", "cpu", "--num-generations", "2", "--max-new-tokens", "4",
+        "--drafter-steps", "1", "--drafter-batch", "2", "--num-validation", "0",
+        "--drafter-peak-lr", "3e-4", "--drafter-warmup-steps", "0", "--commit", "test",
+    ]  # fmt: skip
+    first = main(["--out-dir", str(tmp_path / "first"), *argv])
+    assert first["drafter_optim"]["peak_lr"] == 3e-4
+    assert first["drafter_optim"]["warmup_steps"] == 0
+    assert first["drafter_training"]["num_steps"] == 1
+    assert not first["generation"]["reused"]
+    saved = tmp_path / "first" / "generations.json"
+    again = main(["--out-dir", str(tmp_path / "again"), "--generations", str(saved), *argv])
+    assert again["generation"]["reused"]
+    assert again["generation"]["num_tokens"] == first["generation"]["num_tokens"]
+    logged = json.loads((tmp_path / "again" / "training_log.json").read_text())
+    assert logged["generation"] == again["generation"]
+    assert (tmp_path / "again" / "drafter" / "model.safetensors").is_file()
