@@ -60,19 +60,21 @@ def walk_accepted(
 
 
 @torch.no_grad()
-def walk_tau(
+def walk_steps(
     drafter,
     target,
     generations: Sequence[tuple[list[int], list[int]]],
     max_new_tokens: int,
     eos_ids: Sequence[int],
-) -> WalkResult:
-    """Served-equivalent τ of `drafter` on (prompt ids, greedy answer ids) pairs."""
+) -> list[list[int]]:
+    """Accepted drafts per served step, for each (prompt ids, greedy answer ids) pair (none
+    for an answer shorter than 2 tokens)."""
     device = drafter.fc.weight.device
     num_drafts = drafter.config.block_size - 1
-    per_step: list[int] = []
+    walks: list[list[int]] = []
     for prompt, answer in generations:
         if len(answer) < 2:
+            walks.append([])
             continue
         token_ids = torch.tensor([list(prompt) + list(answer)], device=device)
         _, taps = forward_rows(target, token_ids, drafter.config.target_layer_ids)
@@ -84,7 +86,12 @@ def walk_tau(
             following = answer[index + 1 : index + 1 + num_drafts]
             labels[index, : len(following)] = torch.tensor(following)
         correct_prefix = (drafts == labels).long().cumprod(-1).sum(-1).tolist()
-        per_step += walk_accepted(correct_prefix, answer, max_new_tokens, num_drafts, eos_ids)
+        walks.append(walk_accepted(correct_prefix, answer, max_new_tokens, num_drafts, eos_ids))
+    return walks
+
+
+def walk_result(per_step: Sequence[int], num_drafts: int) -> WalkResult:
+    """τ and per-position acceptance of served steps' accepted-draft counts."""
     steps = max(len(per_step), 1)
     return WalkResult(
         tau=round(1 + sum(per_step) / steps, 3),
@@ -93,3 +100,15 @@ def walk_tau(
             round(sum(kept > k for kept in per_step) / steps, 3) for k in range(num_drafts)
         ],
     )
+
+
+def walk_tau(
+    drafter,
+    target,
+    generations: Sequence[tuple[list[int], list[int]]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+) -> WalkResult:
+    """Served-equivalent τ of `drafter` on (prompt ids, greedy answer ids) pairs."""
+    walks = walk_steps(drafter, target, generations, max_new_tokens, eos_ids)
+    return walk_result([kept for walk in walks for kept in walk], drafter.config.block_size - 1)

@@ -26,7 +26,7 @@ from bench.timing import run_facts
 from drafter_service.model.loader import load_drafter
 from launcher.embedded_default import EMBEDDED_DIR
 from target_service.model.loader import load_target_model
-from training.drafter_eval import walk_accepted, walk_tau
+from training.drafter_eval import walk_accepted, walk_result, walk_steps
 from training.generate import generate_greedy
 from training.generation_cache import target_digest
 
@@ -61,16 +61,22 @@ class SuffixLookup:
         return 0
 
 
-def lookup_tau(lookup: SuffixLookup, answers, max_new_tokens, eos_ids) -> tuple[float, int]:
-    steps: list[int] = []
+def lookup_walks(lookup: SuffixLookup, answers, max_new_tokens, eos_ids) -> list[list[int]]:
+    """The lookup's accepted drafts per served step, for each answer."""
+    walks = []
     for answer in answers:
-        if len(answer) < 2:
-            continue
         correct = [
             lookup.correct_drafts(answer[: i + 1], answer[i + 1 : i + 1 + NUM_DRAFTS])
             for i in range(len(answer))
         ]
-        steps += walk_accepted(correct, answer, max_new_tokens, NUM_DRAFTS, eos_ids)
+        walk = walk_accepted(correct, answer, max_new_tokens, NUM_DRAFTS, eos_ids)
+        walks.append(walk if len(answer) >= 2 else [])
+    return walks
+
+
+def lookup_tau(lookup: SuffixLookup, answers, max_new_tokens, eos_ids) -> tuple[float, int]:
+    steps = [kept for walk in lookup_walks(lookup, answers, max_new_tokens, eos_ids)
+             for kept in walk]  # fmt: skip
     return 1 + sum(steps) / max(len(steps), 1), len(steps)
 
 
@@ -100,18 +106,18 @@ def is_recital(answer: list[int], training_answers: list[list[int]], share: floa
     return False
 
 
-def measure(drafter, target, lookup, pairs, max_new_tokens, eos_ids) -> dict:
-    """Both drafters' served-equivalent τ on (prompt, answer) pairs, and the recited share."""
-    answers = [answer for _, answer in pairs]
-    tau, steps = lookup_tau(lookup, answers, max_new_tokens, eos_ids)
-    walk = walk_tau(drafter, target, pairs, max_new_tokens, eos_ids)
+def summary(lookup, answers, lookup_by_answer, dflash_by_answer) -> dict:
+    """Both drafters' served-equivalent τ over some answers (their walks, answer by answer),
+    and the recited share."""
+    lookup_steps = [kept for walk in lookup_by_answer for kept in walk]
+    dflash = walk_result([kept for walk in dflash_by_answer for kept in walk], NUM_DRAFTS)
     return {
-        "num_prompts": len(pairs),
-        "tau_lookup": round(tau, 3),
-        "lookup_steps": steps,
-        "tau_dflash": walk.tau,
-        "dflash_steps": walk.num_steps,
-        "dflash_accept_per_position": walk.accept_per_position,
+        "num_prompts": len(answers),
+        "tau_lookup": round(1 + sum(lookup_steps) / max(len(lookup_steps), 1), 3),
+        "lookup_steps": len(lookup_steps),
+        "tau_dflash": dflash.tau,
+        "dflash_steps": dflash.num_steps,
+        "dflash_accept_per_position": dflash.accept_per_position,
         "recited_share_after_8_tokens": round(recited_share(lookup, answers), 3),
     }
 
@@ -157,11 +163,19 @@ def main(argv: list[str] | None = None) -> dict:
         "generations": f"{args.generations} ({saved.get('numerics')}, "
         f"{len(saved['answers'])} answers, {len(lookup.tokens)} tokens)",
     }
-    record |= measure(drafter, target, lookup, pairs, args.max_new_tokens, eos_ids)
+    # Each drafter walks every answer once; the groups take their answers' walks.
+    by_lookup = lookup_walks(lookup, answers, args.max_new_tokens, eos_ids)
+    by_dflash = walk_steps(drafter, target, pairs, args.max_new_tokens, eos_ids)
+    record |= summary(lookup, answers, by_lookup, by_dflash)
     # Answers that are (>= 90 %) one training answer's start, and the others.
     for name, keep in (("recited_answers", True), ("other_answers", False)):
-        group = [pair for pair, is_one in zip(pairs, recital, strict=True) if is_one == keep]
-        record[name] = measure(drafter, target, lookup, group, args.max_new_tokens, eos_ids)
+        picked = [i for i, is_one in enumerate(recital) if is_one == keep]
+        record[name] = summary(
+            lookup,
+            [answers[i] for i in picked],
+            [by_lookup[i] for i in picked],
+            [by_dflash[i] for i in picked],
+        )
     print(json.dumps(record, indent=1))
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")
