@@ -18,7 +18,7 @@ import torch
 
 from dflash_serve.errors import InvalidRequestError
 from dflash_serve.slots import SlotAllocator
-from drafter_service.draft_graphs import DRAFT_BLOCK_TOKENS, DraftGraphs
+from drafter_service.draft_graphs import DRAFT_BLOCK_TOKENS, MAX_NEW_CONTEXT, DraftGraphs
 from drafter_service.model.context_cache import DrafterContextCache
 from drafter_service.model.dflash import DFlashDrafter
 
@@ -109,6 +109,11 @@ class DrafterEngine:
         for slot, rows in zip(slots, features, strict=True):
             self.check_context(slot, rows, num_drafts)
         self._check_draft(slots, anchor_ids, num_drafts)
+        if self.graphs is not None:
+            features = [
+                self._add_leading_rows(slot, rows)
+                for slot, rows in zip(slots, features, strict=True)
+            ]
         if self._graph_fits(slots, [rows.shape[0] for rows in features], num_drafts):
             return self._replay(slots, features, anchor_ids, num_drafts)
         for slot, rows in zip(slots, features, strict=True):
@@ -131,6 +136,16 @@ class DrafterEngine:
             and num_drafts <= self.graphs.block_tokens - 1
             and self.graphs.accepts(len(slots), self.graphs.block_tokens, num_new)
         )
+
+    def _add_leading_rows(self, slot: int, rows: torch.Tensor) -> torch.Tensor:
+        """Add all but the last MAX_NEW_CONTEXT rows now and return the rest: a request's
+        first draft brings its prompt's features (hundreds of rows), which no graph takes, and
+        would otherwise send every request batched with it down the eager path."""
+        if rows.shape[0] <= MAX_NEW_CONTEXT:
+            return rows
+        split = rows.shape[0] - MAX_NEW_CONTEXT
+        self.model.add_context(self.cache, slot, rows[:split].to(self.device))
+        return rows[split:]
 
     def _replay(self, slots, features, anchor_ids, num_drafts: int) -> list[list[int]]:
         """The graph's full-block drafts after adding the context, cut to `num_drafts`

@@ -191,3 +191,27 @@ def test_fused_context_and_draft_graph_equals_separate_steps(drafter_dir, target
         assert [graphed.context_length(s) for s in slots[graphed]] == [
             eager.context_length(s) for s in slots[eager]
         ]
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_prompt_sized_context_still_replays_the_graph(drafter_dir, target_dir, monkeypatch):
+    """A request's first draft brings its whole prompt's features: the rows beyond the graph's
+    16 are added first, and the batch still replays its graph (every request in it would
+    otherwise wait for an eager forward), drafting what the eager steps give."""
+    dtype = torch.bfloat16
+    eager = new_engine(drafter_dir, target_dir, dtype, kernels=True)
+    graphed = new_engine(drafter_dir, target_dir, dtype, kernels=True, graph_batch_sizes=(3,))
+    replays = []
+    replay = graphed.graphs.replay
+    monkeypatch.setattr(graphed.graphs, "replay", lambda *a: replays.append(1) or replay(*a))
+    slots = {engine: fill(engine, (5, 3, 9)) for engine in (eager, graphed)}
+    new = {engine: [features(engine, n, seed=n) for n in (2, 40, 16)] for engine in slots}
+    for slot, rows in zip(slots[eager], new[eager], strict=True):
+        eager.add_context(slot, rows)
+    expected = eager.draft(slots[eager], list(ANCHORS), 15)
+    assert graphed.add_context_and_draft(slots[graphed], new[graphed], list(ANCHORS), 15) == (
+        expected
+    )
+    assert replays == [1]
+    assert [graphed.context_length(s) for s in slots[graphed]] == [7, 43, 25]
