@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import multiprocessing
@@ -53,14 +54,22 @@ ROW_TILES_FOR_BLOCK_M = {16: (1, 2, 4, 8), 64: (1, 2)}
 
 
 def candidates(
-    n: int, k: int, group: int | None, block_ms: tuple[int, ...] = (16, 64)
+    n: int,
+    k: int,
+    group: int | None,
+    block_ms: tuple[int, ...] = (16, 64),
+    schedules: tuple[tuple[int, int], ...] = ((4, 3),),
+    swaps: tuple[bool, ...] = (False,),
 ) -> list[MatmulConfig]:
-    """Tile sizes, split-K and row tiles per program. (32-wide tiles, BLOCK_K 32 and 8 warps
-    never won in the earlier sweeps on the H200, f8a438b and 48f68c5, so they are left out.)"""
+    """Tile sizes, split-K and row tiles per program, each with every (warps, stages) of
+    `schedules` and operand order of `swaps` (MatmulConfig.swap_ab). (32-wide tiles and
+    BLOCK_K 32 never won in the earlier sweeps on the H200, f8a438b and 48f68c5, so they are
+    left out; so were 8 warps for dense weights.)"""
     configs = {}
     tilings = [(block_m, row_tiles) for block_m in block_ms
                for row_tiles in ROW_TILES_FOR_BLOCK_M[block_m]]  # fmt: skip
-    for block_n, block_k, (block_m, row_tiles) in itertools.product((64, 128), (64, 128), tilings):
+    shapes = itertools.product((64, 128), (64, 128), tilings, schedules, swaps)
+    for block_n, block_k, (block_m, row_tiles), (warps, stages), swap_ab in shapes:
         if block_n > max(16, triton.next_power_of_2(n)) * 2:
             continue
         if group is not None and group % block_k:
@@ -68,9 +77,22 @@ def candidates(
         num_blocks = triton.cdiv(k, block_k)
         for wanted in (1, 2, 4, 8, 16):
             per_split = triton.cdiv(num_blocks, wanted)
-            config = MatmulConfig.over_splits(k, block_n, block_k, per_split, row_tiles, block_m)
+            config = MatmulConfig.over_splits(
+                k, block_n, block_k, per_split, row_tiles, block_m, warps, stages, swap_ab
+            )
             configs[config] = None
     return list(configs)
+
+
+def parse_schedules(text: str) -> tuple[tuple[int, int], ...]:
+    """ "4x3,8x4" -> ((4, 3), (8, 4)): warps x pipeline stages."""
+    schedules = []
+    for item in text.split(","):
+        warps, _, stages = item.partition("x")
+        if not (warps.isdigit() and stages.isdigit()) or int(warps) not in (1, 2, 4, 8, 16):
+            raise ValueError(f"--schedules: WARPSxSTAGES items like 4x3, got {item!r}")
+        schedules.append((int(warps), int(stages)))
+    return tuple(schedules)
 
 
 def row_tile_candidates(tuned: dict) -> list[MatmulConfig]:
@@ -137,7 +159,19 @@ def main() -> None:
     parser.add_argument("--against-tuned", action="store_true",
                         help="each tuned entry against the sweep of --block-ms only")  # fmt: skip
     parser.add_argument("--block-ms", default="16,64", help="row-tile heights to sweep")
+    parser.add_argument("--schedules", default="4x3",
+                        help="warps x pipeline stages to sweep, e.g. 4x3,4x6,8x4")  # fmt: skip
+    parser.add_argument("--operand-orders", default="plain",
+                        help="plain (x·Wᵀ tiles), swapped (W·xᵀ tiles) or both")  # fmt: skip
     args = parser.parse_args()
+    orders = args.operand_orders.split(",")
+    if not orders or set(orders) - {"plain", "swapped"}:
+        parser.error(f"--operand-orders: plain, swapped or both, got {args.operand_orders!r}")
+    swaps = tuple(order == "swapped" for order in orders)
+    try:
+        schedules = parse_schedules(args.schedules)
+    except ValueError as error:
+        parser.error(str(error))
     block_ms = tuple(int(size) for size in args.block_ms.split(","))
     if set(block_ms) - set(ROW_TILES_FOR_BLOCK_M):
         parser.error(f"--block-ms: a comma-separated subset of 16,64, got {args.block_ms!r}")
@@ -146,16 +180,17 @@ def main() -> None:
         parser.error(f"--kinds: a comma-separated subset of dense,int4, got {args.kinds!r}")
     facts = run_facts("python -m bench.tune_row_matmul " + " ".join(sys.argv[1:]))
     kept = json.loads(TUNED_CONFIGS_PATH.read_text()) if TUNED_CONFIGS_PATH.exists() else {}
+    sweep = functools.partial(candidates, block_ms=block_ms, schedules=schedules, swaps=swaps)
     if args.row_tiles_only:
         tuned = kept.get("configs", {})
         todo = [(n, k, g, row_tile_candidates(tuned[config_key(n, k, g)]))
                 for n, k, g in jobs(kinds) if config_key(n, k, g) in tuned]  # fmt: skip
     elif args.against_tuned:
         tuned = kept.get("configs", {})
-        todo = [(n, k, g, [MatmulConfig(**tuned[key]), *candidates(n, k, g, block_ms)])
+        todo = [(n, k, g, [MatmulConfig(**tuned[key]), *sweep(n, k, g)])
                 for n, k, g in jobs(kinds) if (key := config_key(n, k, g)) in tuned]  # fmt: skip
     else:
-        todo = [(n, k, g, candidates(n, k, g, block_ms)) for n, k, g in jobs(kinds)]
+        todo = [(n, k, g, sweep(n, k, g)) for n, k, g in jobs(kinds)]
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.jobs) as pool:
         print("compiled", sum(pool.map(compile_job, todo)), "candidates", flush=True)
@@ -181,6 +216,8 @@ def main() -> None:
             "us_128_rows": t128,
             "gbps_16_rows": bytes_read / t16 / 1e3,
             "candidates": len(results),
+            "schedules": args.schedules,
+            "operand_orders": args.operand_orders,
         } | ({"swept": "row tiles only"} if args.row_tiles_only else {})
         if args.against_tuned:
             timings[key]["swept"] = f"the tuned entry against block_m {args.block_ms}"

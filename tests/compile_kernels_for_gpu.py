@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import os
 import sys
 
@@ -96,12 +97,13 @@ def launch_every_variant() -> None:
     for kind, group_size in (("dense", None), ("awq", group)):
         weight, _ = matmul_tests.make_weight(kind, n, k, group)
         base = matmul_config(n, k, group_size)
-        for block_m, row_tiles in ((16, 1), (16, 4), (16, 8), (64, 1), (64, 2)):
+        tilings = ((16, 1), (16, 4), (16, 8), (64, 1), (64, 2))
+        for (block_m, row_tiles), swap_ab in itertools.product(tilings, (False, True)):
             for split_k in sorted({1, base.split_k}):
                 per_split = k if split_k == 1 else base.k_per_split
                 config = dataclasses.replace(
                     base, block_m=block_m, row_tiles=row_tiles, split_k=split_k,
-                    k_per_split=per_split,
+                    k_per_split=per_split, swap_ab=swap_ab,
                 )  # fmt: skip
                 row_matmul(x, weight, config=config)
     for key, tuned in tuned_configs().items():  # the configurations the H200 runs

@@ -182,6 +182,23 @@ def test_64_row_tiles_keep_rows_independent(kind, row_tiles, monkeypatch):
         assert torch.equal(row_matmul(x[rows], weight, config=config), y100[rows]), rows
 
 
+@pytest.mark.parametrize("kind", ["dense", "awq", "ct_asymmetric"])
+@pytest.mark.parametrize(("block_m", "row_tiles"), [(16, 1), (16, 2), (64, 1)])
+def test_swapped_operands_keep_rows_independent(kind, block_m, row_tiles):
+    """swap_ab computes each tile transposed (weight tile on the MMA's tall side): the
+    product stays within the reference's tolerance, and a row's bits do not depend on how
+    many rows share the launch (37 rows: full, ragged and, with 64-row tiles, one tile)."""
+    n, k, group_size = SHAPES[1]
+    weight, oracle = make_weight(kind, n, k, group_size)
+    base = matmul_config(n, k, None if kind == "dense" else group_size)
+    config = dataclasses.replace(base, block_m=block_m, row_tiles=row_tiles, swap_ab=True)
+    x = random_rows(37, k, seed=13)
+    y37 = row_matmul(x, weight, config=config)
+    assert_close_to_reference(y37, x, oracle)
+    for rows in (slice(0, 1), slice(0, 16), slice(5, 37), slice(36, 37)):
+        assert torch.equal(row_matmul(x[rows], weight, config=config), y37[rows]), rows
+
+
 def test_row_tiles_must_be_a_power_of_two_up_to_8():
     with pytest.raises(ValueError, match="row_tiles must be"):
         dataclasses.replace(matmul_config(*SHAPES[1][:2]), row_tiles=3)

@@ -5,7 +5,9 @@ many tokens share the launch. Rows are processed in tiles of `block_m` rows (16,
 Hopper's warpgroup MMA, which makes a batch of verify blocks nearly as cheap as one) and every
 launch parameter comes from the weight's shape and kind alone (`matmul_config`), so each row
 tile runs the same instruction sequence over K whatever M is; padded rows are masked to zero
-and never mix with real ones. Split-K partials are summed by a second kernel in a fixed order,
+and never mix with real ones. A config may swap the operands (`swap_ab`: each tile computed
+as W-tile · x-tileᵀ, the token rows on the MMA's narrow side) — again per shape, never per
+call. Split-K partials are summed by a second kernel in a fixed order,
 never with atomics.
 
 4-bit weights (AutoAWQ GEMM or compressed-tensors) are repacked once at load into one layout
@@ -134,7 +136,10 @@ class MatmulConfig:
     """One launch: row tiles of block_m, output tiles of block_n, K in split_k slices of
     k_per_split (a multiple of block_k; the last may be shorter), block_k per loop step.
     A program serves up to row_tiles row tiles (1, 2, 4 or 8) with each weight tile it loads,
-    one tile-sized dot per row tile, so several verify blocks share one weight read."""
+    one tile-sized dot per row tile, so several verify blocks share one weight read.
+    swap_ab computes the transposed tile, Wᵀ-tile · xᵀ-tile: the weight tile is the MMA's
+    tall operand (block_n rows) and the token rows its narrow side, so a 16-row verify block
+    is not padded to Hopper's 64-row warpgroup MMA."""
 
     block_n: int
     block_k: int
@@ -144,6 +149,7 @@ class MatmulConfig:
     num_stages: int
     block_m: int = BLOCK_M
     row_tiles: int = 1
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4, 8):
@@ -160,18 +166,21 @@ class MatmulConfig:
         blocks_per_split: int,
         row_tiles: int = 1,
         block_m: int = BLOCK_M,
+        num_warps: int = 4,
+        num_stages: int = 3,
+        swap_ab: bool = False,
     ) -> MatmulConfig:
-        """K cut into splits of `blocks_per_split` BLOCK_K blocks (the last may be shorter),
-        4 warps, 3 stages."""
+        """K cut into splits of `blocks_per_split` BLOCK_K blocks (the last may be shorter)."""
         return cls(
             block_n=block_n,
             block_k=block_k,
             k_per_split=blocks_per_split * block_k,
             split_k=triton.cdiv(triton.cdiv(k, block_k), blocks_per_split),
-            num_warps=4,
-            num_stages=3,
+            num_warps=num_warps,
+            num_stages=num_stages,
             block_m=block_m,
             row_tiles=row_tiles,
+            swap_ab=swap_ab,
         )
 
 
@@ -218,29 +227,38 @@ def tuned_configs() -> dict[str, dict]:
 
 
 @triton.jit
-def _dot_acc(x, w, acc, DOT_IN_FP32: tl.constexpr):
+def _dot_acc(a, b, acc, DOT_IN_FP32: tl.constexpr):
     if DOT_IN_FP32:
-        acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        acc = tl.dot(x, w, acc)
+        acc = tl.dot(a, b, acc)
     return acc
 
 
 @triton.jit
 def _x_tile_dot(
     x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc,
-    BLOCK_M: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] + x-tile @ w, w [BLOCK_K, BLOCK_N]; SWAP_AB: acc [BLOCK_N,
+    BLOCK_M] + w @ x-tileᵀ, w [BLOCK_N, BLOCK_K]."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)
-    return _dot_acc(x, w, acc, DOT_IN_FP32)
+    if SWAP_AB:
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+        x = tl.load(x_ptrs, mask=(offs_m[None, :] < M) & k_mask[:, None], other=0.0)
+        acc = _dot_acc(w, x, acc, DOT_IN_FP32)
+    else:
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)
+        acc = _dot_acc(x, w, acc, DOT_IN_FP32)
+    return acc
 
 
 @triton.jit
 def _row_tile_dot(
     x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc,
     BLOCK_M: tl.constexpr, DOT_IN_FP32: tl.constexpr, MAY_BE_EMPTY: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """acc + x[row0 : row0 + BLOCK_M, offs_k] @ w. A program's first tile always has rows;
     a later one (MAY_BE_EMPTY) with none (row0 >= M) is skipped, so spare row tiles cost a
@@ -248,10 +266,12 @@ def _row_tile_dot(
     if MAY_BE_EMPTY:
         if row0 < M:
             acc = _x_tile_dot(
-                x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc, BLOCK_M, DOT_IN_FP32
+                x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc, BLOCK_M, DOT_IN_FP32, SWAP_AB
             )
     else:
-        acc = _x_tile_dot(x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc, BLOCK_M, DOT_IN_FP32)
+        acc = _x_tile_dot(
+            x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc, BLOCK_M, DOT_IN_FP32, SWAP_AB
+        )
     return acc
 
 
@@ -259,11 +279,18 @@ def _row_tile_dot(
 def _store_tile(
     out_ptr, acc, row0, offs_n, M, N, stride_os, stride_om,
     BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):  # fmt: skip
-    """bf16 into out, or fp32 into split `program_id(2)` of the partials [SPLIT_K, M, N]."""
+    """bf16 into out, or fp32 into split `program_id(2)` of the partials [SPLIT_K, M, N]
+    (SWAP_AB: acc is the tile transposed, [BLOCK_N, BLOCK_M])."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    ptrs = out_ptr + tl.program_id(2) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    split_ptr = out_ptr + tl.program_id(2) * stride_os
+    if SWAP_AB:
+        ptrs = split_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    else:
+        ptrs = split_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT_K > 1:
         tl.store(ptrs, acc, mask=mask)
     else:
@@ -274,40 +301,41 @@ def _store_tile(
 def _tiles_step(
     x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
     acc7, BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """One weight tile against each of the program's row tiles. Every row tile runs the same
     BLOCK_M-row dot in the same K order whatever ROW_TILES is, so a row's result does not
     depend on how many tiles share the program (accumulators past ROW_TILES are unused)."""
     acc0 = _row_tile_dot(
-        x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc0, BLOCK_M, DOT_IN_FP32, False
+        x_ptr, row0, M, stride_xm, offs_k, k_mask, w, acc0, BLOCK_M, DOT_IN_FP32, False, SWAP_AB
     )
     if ROW_TILES > 1:
         row1 = row0 + BLOCK_M
         acc1 = _row_tile_dot(
-            x_ptr, row1, M, stride_xm, offs_k, k_mask, w, acc1, BLOCK_M, DOT_IN_FP32, True
+            x_ptr, row1, M, stride_xm, offs_k, k_mask, w, acc1, BLOCK_M, DOT_IN_FP32, True, SWAP_AB
         )
     if ROW_TILES > 2:
         row2, row3 = row0 + 2 * BLOCK_M, row0 + 3 * BLOCK_M
         acc2 = _row_tile_dot(
-            x_ptr, row2, M, stride_xm, offs_k, k_mask, w, acc2, BLOCK_M, DOT_IN_FP32, True
+            x_ptr, row2, M, stride_xm, offs_k, k_mask, w, acc2, BLOCK_M, DOT_IN_FP32, True, SWAP_AB
         )
         acc3 = _row_tile_dot(
-            x_ptr, row3, M, stride_xm, offs_k, k_mask, w, acc3, BLOCK_M, DOT_IN_FP32, True
+            x_ptr, row3, M, stride_xm, offs_k, k_mask, w, acc3, BLOCK_M, DOT_IN_FP32, True, SWAP_AB
         )
     if ROW_TILES > 4:
         row4, row5 = row0 + 4 * BLOCK_M, row0 + 5 * BLOCK_M
         row6, row7 = row0 + 6 * BLOCK_M, row0 + 7 * BLOCK_M
         acc4 = _row_tile_dot(
-            x_ptr, row4, M, stride_xm, offs_k, k_mask, w, acc4, BLOCK_M, DOT_IN_FP32, True
+            x_ptr, row4, M, stride_xm, offs_k, k_mask, w, acc4, BLOCK_M, DOT_IN_FP32, True, SWAP_AB
         )
         acc5 = _row_tile_dot(
-            x_ptr, row5, M, stride_xm, offs_k, k_mask, w, acc5, BLOCK_M, DOT_IN_FP32, True
+            x_ptr, row5, M, stride_xm, offs_k, k_mask, w, acc5, BLOCK_M, DOT_IN_FP32, True, SWAP_AB
         )
         acc6 = _row_tile_dot(
-            x_ptr, row6, M, stride_xm, offs_k, k_mask, w, acc6, BLOCK_M, DOT_IN_FP32, True
+            x_ptr, row6, M, stride_xm, offs_k, k_mask, w, acc6, BLOCK_M, DOT_IN_FP32, True, SWAP_AB
         )
         acc7 = _row_tile_dot(
-            x_ptr, row7, M, stride_xm, offs_k, k_mask, w, acc7, BLOCK_M, DOT_IN_FP32, True
+            x_ptr, row7, M, stride_xm, offs_k, k_mask, w, acc7, BLOCK_M, DOT_IN_FP32, True, SWAP_AB
         )
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
@@ -316,61 +344,80 @@ def _tiles_step(
 def _store_tiles(
     out_ptr, row0, offs_n, M, N, stride_os, stride_om, acc0, acc1, acc2, acc3, acc4, acc5,
     acc6, acc7, BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, SPLIT_K: tl.constexpr,
-    ROUND_ON_BITS: tl.constexpr,
+    ROUND_ON_BITS: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     _store_tile(out_ptr, acc0, row0, offs_n, M, N, stride_os, stride_om,
-                BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+                BLOCK_M, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
     if ROW_TILES > 1:
         _store_tile(out_ptr, acc1, row0 + BLOCK_M, offs_n, M, N, stride_os, stride_om,
-                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
     if ROW_TILES > 2:
         _store_tile(out_ptr, acc2, row0 + 2 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
-                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
         _store_tile(out_ptr, acc3, row0 + 3 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
-                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
     if ROW_TILES > 4:
         _store_tile(out_ptr, acc4, row0 + 4 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
-                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
         _store_tile(out_ptr, acc5, row0 + 5 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
-                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
         _store_tile(out_ptr, acc6, row0 + 6 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
-                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
         _store_tile(out_ptr, acc7, row0 + 7 * BLOCK_M, offs_n, M, N, stride_os, stride_om,
-                    BLOCK_M, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+                    BLOCK_M, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
 
 
 @triton.jit
-def _dequantize_words(words, s, z, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_K / 8, BLOCK_N] packed words -> the fp32 tile [BLOCK_K, BLOCK_N], (q - z) * s.
+def _dequantize_words(
+    words, s, z, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr
+):
+    """[BLOCK_K / 8, BLOCK_N] packed words -> the fp32 tile [BLOCK_K, BLOCK_N], (q - z) * s
+    (SWAP_AB: words [BLOCK_N, BLOCK_K / 8] -> the tile [BLOCK_N, BLOCK_K]).
 
     Without an int -> float conversion per weight (conversions are the slow unit): the
     nibble is OR-ed into the mantissa of 2^23, giving the float 2^23 + q exactly, and
     2^23 + z is subtracted, which is exact too. Row 8j + i of the tile is nibble i of word
     row j, the order `RepackedInt4` stores.
     """
-    nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-    magic = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)
     zero_magic = z.to(tl.float32) + 8388608.0
-    w = (magic - zero_magic[None, None, :]) * s[None, None, :]
-    return tl.reshape(w, (BLOCK_K, BLOCK_N))
+    if SWAP_AB:
+        nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+        magic = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)
+        w = (magic - zero_magic[:, None, None]) * s[:, None, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+    else:
+        nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        magic = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)
+        w = (magic - zero_magic[None, None, :]) * s[None, None, :]
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+    return w
 
 
 @triton.jit
 def _weight_tile(
     w_ptr, s_ptr, z_ptr, stride_wn, k0, offs_k, offs_n, N: tl.constexpr, K: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    IS_INT4: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+    IS_INT4: tl.constexpr, ROUND_ON_BITS: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
-    """The bf16 tile W[offs_n, offs_k]ᵀ, [BLOCK_K, BLOCK_N], zero outside the weight. 4-bit:
-    within one group, from BLOCK_K / 8 rows of packed words, each word loaded once."""
+    """The bf16 tile W[offs_n, offs_k]ᵀ, [BLOCK_K, BLOCK_N] (SWAP_AB: W[offs_n, offs_k],
+    [BLOCK_N, BLOCK_K]), zero outside the weight. 4-bit: within one group, from BLOCK_K / 8
+    rows of packed words, each word loaded once."""
     n_mask = offs_n < N
     if IS_INT4:
         offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptr + offs_word[:, None] * N + offs_n[None, :], mask=n_mask[None, :])
+        if SWAP_AB:
+            word_ptrs = w_ptr + offs_word[None, :] * N + offs_n[:, None]
+            words = tl.load(word_ptrs, mask=n_mask[:, None])
+        else:
+            words = tl.load(w_ptr + offs_word[:, None] * N + offs_n[None, :], mask=n_mask[None, :])
         group = k0 // GROUP_SIZE
         s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
         z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0)
-        w = round_to(_dequantize_words(words, s, z, BLOCK_K, BLOCK_N), tl.bfloat16, ROUND_ON_BITS)
+        w = _dequantize_words(words, s, z, BLOCK_K, BLOCK_N, SWAP_AB)
+        w = round_to(w, tl.bfloat16, ROUND_ON_BITS)
+    elif SWAP_AB:
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        w = tl.load(w_ptrs, mask=(offs_k[None, :] < K) & n_mask[:, None], other=0.0)
     else:
         w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
         w = tl.load(w_ptrs, mask=(offs_k[:, None] < K) & n_mask[None, :], other=0.0)
@@ -383,7 +430,7 @@ def _row_matmul_kernel(
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
     SPLIT_K: tl.constexpr, IS_INT4: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-    ROUND_ON_BITS: tl.constexpr,
+    ROUND_ON_BITS: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """Program (i, j, s): row tiles i·ROW_TILES.., output columns j·BLOCK_N.., K split s.
     One weight tile per loop step (4-bit: GROUP_SIZE a multiple of BLOCK_K, so one scale
@@ -392,19 +439,23 @@ def _row_matmul_kernel(
     row0 = tl.program_id(0) * (BLOCK_M * ROW_TILES)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(2) * K_PER_SPLIT
-    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = _weight_tile(w_ptr, s_ptr, z_ptr, stride_wn, k0, offs_k, offs_n, N, K,
-                         BLOCK_K, BLOCK_N, GROUP_SIZE, IS_INT4, ROUND_ON_BITS)  # fmt: skip
+                         BLOCK_K, BLOCK_N, GROUP_SIZE, IS_INT4, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_step(
             x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w,
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_M, ROW_TILES, DOT_IN_FP32,
+            SWAP_AB,
         )  # fmt: skip
     _store_tiles(out_ptr, row0, offs_n, M, N, stride_os, stride_om,
                  acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                 BLOCK_M, ROW_TILES, SPLIT_K, ROUND_ON_BITS)  # fmt: skip
+                 BLOCK_M, ROW_TILES, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -452,7 +503,7 @@ def row_matmul(
     rows_per_program = config.block_m * config.row_tiles
     grid = (triton.cdiv(m, rows_per_program), triton.cdiv(n, config.block_n), config.split_k)
     shape_args = {"N": n, "K": k, "K_PER_SPLIT": config.k_per_split, "BLOCK_M": config.block_m}
-    shape_args |= {"ROW_TILES": config.row_tiles}
+    shape_args |= {"ROW_TILES": config.row_tiles, "SWAP_AB": config.swap_ab}
     shape_args |= {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT_K": config.split_k}
     is_interpreted = is_interpreting()
     launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
