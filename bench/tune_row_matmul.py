@@ -60,17 +60,21 @@ def candidates(
     block_ms: tuple[int, ...] = (16, 64),
     schedules: tuple[tuple[int, int], ...] = ((4, 3),),
     swaps: tuple[bool, ...] = (False,),
+    k_orders: tuple[bool, ...] = (False,),
 ) -> list[MatmulConfig]:
     """Tile sizes, split-K and row tiles per program, each with every (warps, stages) of
-    `schedules` and operand order of `swaps` (MatmulConfig.swap_ab). (32-wide tiles and
+    `schedules`, operand order of `swaps` (MatmulConfig.swap_ab) and K order of `k_orders`
+    (MatmulConfig.k_by_nibble, 4-bit tiles of 128 inputs only). (32-wide tiles and
     BLOCK_K 32 never won in the earlier sweeps on the H200, f8a438b and 48f68c5, so they are
     left out; so were 8 warps for dense weights.)"""
     configs = {}
     tilings = [(block_m, row_tiles) for block_m in block_ms
                for row_tiles in ROW_TILES_FOR_BLOCK_M[block_m]]  # fmt: skip
-    shapes = itertools.product((64, 128), (64, 128), tilings, schedules, swaps)
-    for block_n, block_k, (block_m, row_tiles), (warps, stages), swap_ab in shapes:
+    shapes = itertools.product((64, 128), (64, 128), tilings, schedules, swaps, k_orders)
+    for block_n, block_k, (block_m, row_tiles), (warps, stages), swap_ab, by_nibble in shapes:
         if block_n > max(16, triton.next_power_of_2(n)) * 2:
+            continue
+        if by_nibble and (group is None or block_k < 128):
             continue
         if group is not None and group % block_k:
             continue
@@ -78,7 +82,16 @@ def candidates(
         for wanted in (1, 2, 4, 8, 16):
             per_split = triton.cdiv(num_blocks, wanted)
             config = MatmulConfig.over_splits(
-                k, block_n, block_k, per_split, row_tiles, block_m, warps, stages, swap_ab
+                k,
+                block_n,
+                block_k,
+                per_split,
+                row_tiles,
+                block_m,
+                warps,
+                stages,
+                swap_ab,
+                by_nibble,
             )
             configs[config] = None
     return list(configs)
@@ -163,11 +176,17 @@ def main() -> None:
                         help="warps x pipeline stages to sweep, e.g. 4x3,4x6,8x4")  # fmt: skip
     parser.add_argument("--operand-orders", default="plain",
                         help="plain (x·Wᵀ tiles), swapped (W·xᵀ tiles) or both")  # fmt: skip
+    parser.add_argument("--k-orders", default="plain",
+                        help="4-bit tiles: plain, nibble (8 nibble-plane dots), both")  # fmt: skip
     args = parser.parse_args()
     orders = args.operand_orders.split(",")
     if not orders or set(orders) - {"plain", "swapped"}:
         parser.error(f"--operand-orders: plain, swapped or both, got {args.operand_orders!r}")
     swaps = tuple(order == "swapped" for order in orders)
+    k_orders = args.k_orders.split(",")
+    if not k_orders or set(k_orders) - {"plain", "nibble"}:
+        parser.error(f"--k-orders: plain, nibble or both, got {args.k_orders!r}")
+    by_nibble = tuple(order == "nibble" for order in k_orders)
     try:
         schedules = parse_schedules(args.schedules)
     except ValueError as error:
@@ -180,7 +199,9 @@ def main() -> None:
         parser.error(f"--kinds: a comma-separated subset of dense,int4, got {args.kinds!r}")
     facts = run_facts("python -m bench.tune_row_matmul " + " ".join(sys.argv[1:]))
     kept = json.loads(TUNED_CONFIGS_PATH.read_text()) if TUNED_CONFIGS_PATH.exists() else {}
-    sweep = functools.partial(candidates, block_ms=block_ms, schedules=schedules, swaps=swaps)
+    sweep = functools.partial(
+        candidates, block_ms=block_ms, schedules=schedules, swaps=swaps, k_orders=by_nibble
+    )
     if args.row_tiles_only:
         tuned = kept.get("configs", {})
         todo = [(n, k, g, row_tile_candidates(tuned[config_key(n, k, g)]))
@@ -218,6 +239,7 @@ def main() -> None:
             "candidates": len(results),
             "schedules": args.schedules,
             "operand_orders": args.operand_orders,
+            "k_orders": args.k_orders,
         } | ({"swept": "row tiles only"} if args.row_tiles_only else {})
         if args.against_tuned:
             timings[key]["swept"] = f"the tuned entry against block_m {args.block_ms}"

@@ -106,6 +106,13 @@ def launch_every_variant() -> None:
                     k_per_split=per_split, swap_ab=swap_ab,
                 )  # fmt: skip
                 row_matmul(x, weight, config=config)
+    n, k, group = 40, 640, 128  # nibble planes: 4-bit tiles of 128 inputs
+    weight, _ = matmul_tests.make_weight("awq", n, k, group)
+    x = matmul_tests.random_rows(20, k, seed=0)
+    for swap_ab, block_m in itertools.product((False, True), (16, 64)):
+        config = MatmulConfig.over_splits(k, 64, 128, 2, 1, block_m, swap_ab=swap_ab,
+                                          k_by_nibble=True)  # fmt: skip
+        row_matmul(x, weight, config=config)
     for key, tuned in tuned_configs().items():  # the configurations the H200 runs
         config = MatmulConfig(**tuned)
         kind, shape, *group_part = key.split(":")

@@ -199,6 +199,43 @@ def test_swapped_operands_keep_rows_independent(kind, block_m, row_tiles):
         assert torch.equal(row_matmul(x[rows], weight, config=config), y37[rows]), rows
 
 
+NIBBLE_TILINGS = [(16, 1, False), (64, 2, False), (16, 2, True), (64, 1, True)]
+
+
+@pytest.mark.parametrize("kind", ["awq", "ct_symmetric", "ct_asymmetric"])
+@pytest.mark.parametrize(("block_m", "row_tiles", "swap_ab"), NIBBLE_TILINGS)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_nibble_planes_keep_rows_independent(kind, block_m, row_tiles, swap_ab, split_k):
+    """k_by_nibble sums each 128-input tile as 8 nibble planes (another K order, so other
+    bits than the plain tile): within the reference's tolerance, and a row's bits do not
+    depend on how many rows share the launch; 5 K tiles over 3 splits leave a short one."""
+    n, k, group_size = 40, 640, 128
+    weight, oracle = make_weight(kind, n, k, group_size)
+    config = dataclasses.replace(
+        matmul_config(n, k, group_size), block_k=128, k_per_split=256 if split_k > 1 else k,
+        split_k=split_k, block_m=block_m, row_tiles=row_tiles, swap_ab=swap_ab,
+        k_by_nibble=True,
+    )  # fmt: skip
+    x = random_rows(37, k, seed=14)
+    y37 = row_matmul(x, weight, config=config)
+    assert_close_to_reference(y37, x, oracle)
+    for rows in (slice(0, 1), slice(0, 16), slice(5, 37), slice(36, 37)):
+        assert torch.equal(row_matmul(x[rows], weight, config=config), y37[rows]), rows
+
+
+def test_nibble_planes_need_4_bit_weights_and_128_input_tiles():
+    n, k, group_size = 40, 640, 128
+    base = dataclasses.replace(matmul_config(n, k, group_size), block_k=128, k_per_split=k,
+                               split_k=1)  # fmt: skip
+    with pytest.raises(ValueError, match="block_k a multiple of 128"):
+        dataclasses.replace(base, block_k=64, k_by_nibble=True)
+    dense, _ = make_weight("dense", n, k, group_size)
+    with pytest.raises(ValueError, match="4-bit weight"):
+        row_matmul(
+            random_rows(2, k, seed=1), dense, config=dataclasses.replace(base, k_by_nibble=True)
+        )
+
+
 def test_row_tiles_must_be_a_power_of_two_up_to_8():
     with pytest.raises(ValueError, match="row_tiles must be"):
         dataclasses.replace(matmul_config(*SHAPES[1][:2]), row_tiles=3)

@@ -139,7 +139,9 @@ class MatmulConfig:
     one tile-sized dot per row tile, so several verify blocks share one weight read.
     swap_ab computes the transposed tile, Wᵀ-tile · xᵀ-tile: the weight tile is the MMA's
     tall operand (block_n rows) and the token rows its narrow side, so a 16-row verify block
-    is not padded to Hopper's 64-row warpgroup MMA."""
+    is not padded to Hopper's 64-row warpgroup MMA. k_by_nibble (4-bit only, block_k >= 128)
+    sums a tile's K in 8 dots, dot i over the inputs 8j + i (nibble i of every word): each
+    nibble plane dequantizes in place, with no reshape of the unpacked words."""
 
     block_n: int
     block_k: int
@@ -150,12 +152,15 @@ class MatmulConfig:
     block_m: int = BLOCK_M
     row_tiles: int = 1
     swap_ab: bool = False
+    k_by_nibble: bool = False
 
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4, 8):
             raise ValueError(f"row_tiles must be 1, 2, 4 or 8, got {self.row_tiles}")
         if self.block_m not in BLOCK_MS:
             raise ValueError(f"block_m must be one of {BLOCK_MS}, got {self.block_m}")
+        if self.k_by_nibble and self.block_k % (NIBBLES_PER_WORD * MIN_DOT_K):
+            raise ValueError(f"k_by_nibble needs block_k a multiple of 128, got {self.block_k}")
 
     @classmethod
     def over_splits(
@@ -169,6 +174,7 @@ class MatmulConfig:
         num_warps: int = 4,
         num_stages: int = 3,
         swap_ab: bool = False,
+        k_by_nibble: bool = False,
     ) -> MatmulConfig:
         """K cut into splits of `blocks_per_split` BLOCK_K blocks (the last may be shorter)."""
         return cls(
@@ -181,6 +187,7 @@ class MatmulConfig:
             block_m=block_m,
             row_tiles=row_tiles,
             swap_ab=swap_ab,
+            k_by_nibble=k_by_nibble,
         )
 
 
@@ -424,13 +431,49 @@ def _weight_tile(
     return w
 
 
+@triton.jit
+def _nibble_planes_step(
+    x_ptr, w_ptr, s_ptr, z_ptr, row0, M, stride_xm, k0, offs_n,
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, N: tl.constexpr, K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    ROUND_ON_BITS: tl.constexpr, SWAP_AB: tl.constexpr,
+):  # fmt: skip
+    """One 4-bit K tile as 8 nibble planes: plane i holds inputs k0 + 8j + i (nibble i of
+    word row j), is dequantized elementwise where the words sit, (q - z) * s rounded to
+    bf16 as in `_weight_tile`, and is summed into the row tiles by its own dot."""
+    n_mask = offs_n < N
+    offs_j = tl.arange(0, BLOCK_K // 8)
+    offs_word = k0 // 8 + offs_j
+    group = k0 // GROUP_SIZE
+    s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
+    zero_magic = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+    zero_magic += 8388608.0
+    if SWAP_AB:
+        words = tl.load(w_ptr + offs_word[None, :] * N + offs_n[:, None], mask=n_mask[:, None])
+        s, zero_magic = s[:, None], zero_magic[:, None]
+    else:
+        words = tl.load(w_ptr + offs_word[:, None] * N + offs_n[None, :], mask=n_mask[None, :])
+        s, zero_magic = s[None, :], zero_magic[None, :]
+    for i in tl.static_range(8):
+        magic = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+        w = round_to((magic - zero_magic) * s, tl.bfloat16, ROUND_ON_BITS)
+        offs_k = k0 + 8 * offs_j + i
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_step(
+            x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w,
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_M, ROW_TILES, DOT_IN_FP32,
+            SWAP_AB,
+        )  # fmt: skip
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
 @triton.jit(do_not_specialize=["M", "stride_os"])
 def _row_matmul_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, stride_xm, stride_wn, stride_os, stride_om,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
     SPLIT_K: tl.constexpr, IS_INT4: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-    ROUND_ON_BITS: tl.constexpr, SWAP_AB: tl.constexpr,
+    ROUND_ON_BITS: tl.constexpr, SWAP_AB: tl.constexpr, K_BY_NIBBLE: tl.constexpr,
 ):  # fmt: skip
     """Program (i, j, s): row tiles i·ROW_TILES.., output columns j·BLOCK_N.., K split s.
     One weight tile per loop step (4-bit: GROUP_SIZE a multiple of BLOCK_K, so one scale
@@ -445,14 +488,22 @@ def _row_matmul_kernel(
         acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, stride_wn, k0, offs_k, offs_n, N, K,
-                         BLOCK_K, BLOCK_N, GROUP_SIZE, IS_INT4, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_step(
-            x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w,
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_M, ROW_TILES, DOT_IN_FP32,
-            SWAP_AB,
-        )  # fmt: skip
+        if K_BY_NIBBLE:
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _nibble_planes_step(
+                x_ptr, w_ptr, s_ptr, z_ptr, row0, M, stride_xm, k0, offs_n,
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, N, K, BLOCK_K, BLOCK_N,
+                GROUP_SIZE, BLOCK_M, ROW_TILES, DOT_IN_FP32, ROUND_ON_BITS, SWAP_AB,
+            )  # fmt: skip
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = _weight_tile(w_ptr, s_ptr, z_ptr, stride_wn, k0, offs_k, offs_n, N, K,
+                             BLOCK_K, BLOCK_N, GROUP_SIZE, IS_INT4, ROUND_ON_BITS,
+                             SWAP_AB)  # fmt: skip
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_step(
+                x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w,
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BLOCK_M, ROW_TILES, DOT_IN_FP32,
+                SWAP_AB,
+            )  # fmt: skip
     _store_tiles(out_ptr, row0, offs_n, M, N, stride_os, stride_om,
                  acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  BLOCK_M, ROW_TILES, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
@@ -496,6 +547,8 @@ def row_matmul(
     is_int4 = isinstance(weight, RepackedInt4)
     if config is None:  # (explicit configs: tuning and tests only, never per call site)
         config = matmul_config(n, k, weight.group_size if is_int4 else None)
+    if config.k_by_nibble and not (is_int4 and weight.group_size % config.block_k == 0):
+        raise ValueError("k_by_nibble needs a 4-bit weight whose group size block_k divides")
     target = out
     if config.split_k > 1:
         target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
@@ -504,6 +557,7 @@ def row_matmul(
     grid = (triton.cdiv(m, rows_per_program), triton.cdiv(n, config.block_n), config.split_k)
     shape_args = {"N": n, "K": k, "K_PER_SPLIT": config.k_per_split, "BLOCK_M": config.block_m}
     shape_args |= {"ROW_TILES": config.row_tiles, "SWAP_AB": config.swap_ab}
+    shape_args |= {"K_BY_NIBBLE": config.k_by_nibble}
     shape_args |= {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "SPLIT_K": config.split_k}
     is_interpreted = is_interpreting()
     launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
