@@ -12,6 +12,7 @@ import torch
 
 from bench.timing import median_ms, synchronize
 from dflash_serve.checkpoint.safetensors_reader import TensorReader
+from dflash_serve.layers.int4_reads import INT4_READS
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
 from dflash_serve.speculative.types import SamplingParams
@@ -172,15 +173,17 @@ def build_target(
     device: str = "cuda",
     taps=(),
     fast_path: bool = True,
+    int4_reads: str = INT4_READS[0],
 ) -> TargetEngine:
     """As the target service builds it: on a GPU, Triton kernels and verify graphs for
-    batches of 1..max_slots (unless `fast_path` is off: the plain-torch reference path)."""
+    batches of 1..max_slots (unless `fast_path` is off: the plain-torch reference path);
+    `int4_reads` as the service's --int4-reads."""
     from target_service.model.loader import load_target_model
 
     model = load_target_model(model_dir, torch.bfloat16, device)
     graph_batch_sizes = ()
     if fast_path and device.startswith("cuda"):
-        model.use_gpu_kernels(max_slots * BLOCK)
+        model.use_gpu_kernels(max_slots * BLOCK, int4_reads)
         graph_batch_sizes = tuple(range(1, max_slots + 1))
     shape = StateShape(max_slots, max_len)
     return TargetEngine(model, shape, taps, 2048, graph_batch_sizes=graph_batch_sizes)

@@ -27,14 +27,17 @@ def markdown(r: dict) -> str:
         "",
         f"HBM copy bandwidth: **{r.get('hbm_gbps', 0):.0f} GB/s**",
         "",
-        "| layout | weight bytes | floor ms | verify ms (B=1, K=15) | verify / floor | draft ms |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| layout | weight bytes | floor ms | verify ms (B=1, K=15) | verify / floor | draft ms "
+        "| verify ms, W4A16 reads |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, layout in r.get("layouts", {}).items():
         ratio = layout["verify_ms"] / layout["floor_ms"] if layout.get("floor_ms") else 0
+        packed = layout.get("verify_ms_int4_reads")
         lines.append(
             f"| {name} | {layout['weight_bytes'] / 1e9:.2f} GB | {layout['floor_ms']:.2f} | "
-            f"{layout['verify_ms']:.2f} | {ratio:.1f}× | {layout['draft_ms']:.2f} |"
+            f"{layout['verify_ms']:.2f} | {ratio:.1f}× | {layout['draft_ms']:.2f} | "
+            f"{'–' if packed is None else f'{packed:.2f}'} |"
         )
     ar = r.get("ar_tok_s", {})
     lines += [

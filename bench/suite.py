@@ -110,6 +110,13 @@ class Suite:
                 "verify_ms": measure_engine.verify_step_ms(engine),
                 "draft_ms": draft_ms,
             }
+            if layout != "bf16":  # the default reads the bf16 copy; the W4A16 kernel too
+                del engine
+                engine = measure_engine.build_target(
+                    self.dirs[layout], 2, 4096, self.device, int4_reads="int4"
+                )
+                verify_ms = measure_engine.verify_step_ms(engine)
+                self.results["layouts"][layout]["verify_ms_int4_reads"] = verify_ms
             progress(f"  {layout}: {self.results['layouts'][layout]}")
             if layout == "bf16":
                 self.engine_checks(engine)

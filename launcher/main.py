@@ -8,6 +8,7 @@ import logging
 import sys
 
 from dflash_serve.errors import DflashError
+from dflash_serve.layers.int4_reads import INT4_READS
 from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US, DTYPE_CHOICES
 from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS
 
@@ -140,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     taps.add_argument("--drafter-model", help="read the tap layers from this drafter's config")
     target.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK_TOKENS)
+    target.add_argument(
+        "--int4-reads",
+        choices=INT4_READS,
+        default=INT4_READS[0],
+        help="GPU verify/decode of 4-bit layers: read their dequantized bf16 copy (faster on "
+        "the H200) or the packed 4 bits (W4A16 kernel)",
+    )
     add_service_flags(target, 50051)
 
     drafter = sub.add_parser("drafter", help="run the DFlash drafter gRPC service")
@@ -204,6 +212,7 @@ def run_target(args: argparse.Namespace) -> None:
         model=args.model,
         tap_layer_ids=tuple(taps),
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        int4_reads=args.int4_reads,
         service=service_settings(args),
     )
     config.validate()

@@ -342,14 +342,16 @@ def test_after_warm_up_serving_compiles_no_recurrence_variant(kernel_model):
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["bf16", "int4_all"])
-def test_qwen35_4b_shaped_speculative_equals_plain(tmp_path, layout):
-    """Random weights of Qwen3.5-4B's layer shapes (4 layers), graphs at batch 1 and 8."""
+@pytest.mark.parametrize(("layout", "int4_reads"), [("bf16", "bf16"), ("int4_all", "bf16"),
+                                                    ("int4_all", "int4")])  # fmt: skip
+def test_qwen35_4b_shaped_speculative_equals_plain(tmp_path, layout, int4_reads):
+    """Random weights of Qwen3.5-4B's layer shapes (4 layers), graphs at batch 1 and 8; 4-bit
+    layers read either way (their bf16 copy, the serving default, or the W4A16 kernel)."""
     layer_types = ["linear_attention"] * 3 + ["full_attention"]
     config = QWEN35_4B_TEXT | {"num_hidden_layers": 4, "layer_types": layer_types}
     model_dir = write_target(tmp_path / layout, config, layout, device="cuda")
     model = load_target_model(model_dir, torch.bfloat16, "cuda")
-    model.use_gpu_kernels(8 * 16)
+    model.use_gpu_kernels(8 * 16, int4_reads)
     for num_sequences in (1, 8):
         plain, speculative = speculative_equals_plain(
             model, num_sequences, graph_batch_sizes=tuple(range(1, num_sequences + 1))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_serve.checkpoint.int4_formats import PackedInt4Weight
+from dflash_serve.layers.int4_reads import INT4_READS
 
 CPU_ROW_TILE = 4
 
@@ -82,8 +83,9 @@ class Int4Linear(RowIndependentLinear):
     """A 4-bit linear layer; the packed tensors stay the source of truth.
 
     The dequantized weight serves the reference path and large (prefill) calls through
-    cuBLAS; `use_row_kernel` repacks the 4-bit tensors once for the Triton W4A16 kernel,
-    which reads 4 bits per weight on verify and decode.
+    cuBLAS. On verify and decode the row kernel reads either that bf16 weight or, with
+    `use_row_kernel(rows, "int4")`, the 4-bit tensors repacked once for the Triton W4A16
+    kernel (4 bits per weight; see INT4_READS). Both rebuild the same bf16 weight.
     """
 
     def __init__(self, packed: PackedInt4Weight, compute_dtype: torch.dtype) -> None:
@@ -94,16 +96,20 @@ class Int4Linear(RowIndependentLinear):
         self.register_buffer("weight", packed.dequantize(compute_dtype), persistent=False)
         self.repacked = None
 
-    def use_row_kernel(self, max_rows: int) -> None:
-        from dflash_serve.kernels.row_matmul import repack_int4
+    def use_row_kernel(self, max_rows: int, reads: str = INT4_READS[0]) -> None:
+        if reads not in INT4_READS:
+            raise ValueError(f"reads must be one of {INT4_READS}, got {reads!r}")
+        self.repacked = None
+        if reads == "int4":
+            from dflash_serve.kernels.row_matmul import repack_int4
 
-        device = self.weight.device
-        on_device = {name: t.to(device) for name, t in self.packed.tensors.items()}
-        self.repacked = repack_int4(replace(self.packed, tensors=on_device))
+            device = self.weight.device
+            on_device = {name: t.to(device) for name, t in self.packed.tensors.items()}
+            self.repacked = repack_int4(replace(self.packed, tensors=on_device))
         self.max_kernel_rows = max_rows
 
     def kernel_weight(self):
-        return self.repacked
+        return self.weight if self.repacked is None else self.repacked
 
 
 def stack_dense_weights(linears: list[RowIndependentLinear]) -> torch.Tensor:

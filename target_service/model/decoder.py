@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_serve.layers.int4_reads import INT4_READS
 from dflash_serve.layers.linear import (
+    Int4Linear,
     RowIndependentLinear,
     fits_row_kernel,
     row_kernel_linear,
@@ -74,14 +76,17 @@ class Qwen35TextModel(nn.Module):
         self.max_kernel_rows = 0
         self.recurrence_kernel = None  # the GDN recurrence the verify runs, for commit's replay
 
-    def use_gpu_kernels(self, max_kernel_rows: int) -> None:
+    def use_gpu_kernels(self, max_kernel_rows: int, int4_reads: str = INT4_READS[0]) -> None:
         """Run verify/decode on the row-independent Triton kernels (CUDA, Triton needed).
 
         Calls of at most `max_kernel_rows` rows (tokens × sequences) take the kernels; a
         speculative step must fit, so that its rows equal the same rows decoded alone.
+        `int4_reads`: what the kernels read for 4-bit layers (`INT4_READS`).
         """
         for module in self.modules():
-            if isinstance(module, RowIndependentLinear):
+            if isinstance(module, Int4Linear):
+                module.use_row_kernel(max_kernel_rows, int4_reads)
+            elif isinstance(module, RowIndependentLinear):
                 module.use_row_kernel(max_kernel_rows)
             elif isinstance(module, RMSNorm | GatedRMSNorm):
                 module.use_row_kernel()

@@ -1,0 +1,63 @@
+"""What the row kernel reads for a 4-bit layer: its bf16 copy (default) or the packed bits.
+
+Both rebuild the same bf16 weight, so both must give the reference product (the bf16 copy
+reads no repacked tensors at all); the choice reaches the service from `--int4-reads`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_serve.checkpoint.int4_formats import AWQ_GEMM, PackedInt4Weight, pack_awq_gemm
+from dflash_serve.errors import ConfigError
+from dflash_serve.kernels.row_matmul import RepackedInt4, row_matmul_reference
+from dflash_serve.layers.linear import Int4Linear
+from launcher.main import build_parser
+from target_service.config import TargetServiceConfig
+
+pytest.importorskip("triton")
+
+N, K, GROUP = 40, 64, 32
+
+
+def int4_layer() -> Int4Linear:
+    weight = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * 0.05
+    packed = PackedInt4Weight(AWQ_GEMM, N, K, GROUP, pack_awq_gemm(weight, GROUP))
+    return Int4Linear(packed, torch.bfloat16)
+
+
+@pytest.mark.parametrize("reads", ["bf16", "int4"])
+def test_both_reads_give_the_dequantized_product(reads):
+    layer = int4_layer()
+    layer.use_row_kernel(16, reads)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).bfloat16()
+    if reads == "bf16":
+        assert layer.kernel_weight() is layer.weight and layer.repacked is None
+    else:
+        assert isinstance(layer.kernel_weight(), RepackedInt4)
+    with torch.inference_mode():
+        y = layer(x)
+    reference = row_matmul_reference(x, layer.packed.dequantize(torch.bfloat16))
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(y.float(), reference, rtol=2**-8, atol=2**-10 * scale)
+
+
+def test_the_bf16_copy_is_the_default_and_others_are_refused():
+    layer = int4_layer()
+    layer.use_row_kernel(16)
+    assert layer.kernel_weight() is layer.weight
+    with pytest.raises(ValueError, match="reads must be one of"):
+        layer.use_row_kernel(16, "fp8")
+
+
+def test_the_flag_reaches_the_target_config():
+    parser = build_parser()
+    assert parser.parse_args(["target", "--model", "m"]).int4_reads == "bf16"
+    assert parser.parse_args(["target", "--model", "m", "--int4-reads", "int4"]).int4_reads == (
+        "int4"
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["target", "--model", "m", "--int4-reads", "fp8"])
+    with pytest.raises(ConfigError, match="int4_reads"):
+        TargetServiceConfig(model="m", int4_reads="fp8").validate()
