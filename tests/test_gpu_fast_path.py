@@ -176,6 +176,19 @@ def speculative_equals_plain(model, num_sequences, graph_batch_sizes=()):
         target.close()
 
 
+def first_differences(plain, speculative) -> list[tuple[int, int, int] | None]:
+    """Per sequence, (index, plain token, speculative token) of the first difference, or
+    None: what a failure must report, since a rare one may not come back."""
+    found = []
+    for a, b in zip(plain, speculative, strict=True):
+        index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if index is None and len(a) != len(b):
+            index = min(len(a), len(b))
+        found.append(None if index is None else (index, *(t[index] if index < len(t) else -1
+                                                            for t in (a, b))))  # fmt: skip
+    return found
+
+
 @pytest.mark.parametrize("num_sequences", [1, 3])
 def test_speculative_equals_plain_on_kernels(kernel_model, num_sequences):
     plain, speculative = speculative_equals_plain(kernel_model, num_sequences)
@@ -356,4 +369,4 @@ def test_qwen35_4b_shaped_speculative_equals_plain(tmp_path, layout, int4_reads)
         plain, speculative = speculative_equals_plain(
             model, num_sequences, graph_batch_sizes=tuple(range(1, num_sequences + 1))
         )
-        assert speculative == plain, num_sequences
+        assert speculative == plain, (num_sequences, first_differences(plain, speculative))
