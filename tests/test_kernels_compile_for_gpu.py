@@ -45,9 +45,10 @@ def test_every_kernel_compiles_for_sm90():
     row_matmul_variants = [
         line for line in result.stdout.splitlines() if "_row_matmul_kernel" in line
     ]
-    # dense and 4-bit × (16-row tiles 1/4/8 per program, 64-row tiles 1/2) × split-K 1/3,
-    # then every tuned configuration
-    assert len(row_matmul_variants) == 20 + len(tuned_configs())
+    # dense and 4-bit × (16-row tiles 1/4/8 per program, 64-row tiles 1/2) × split-K 1/3 ×
+    # plain and swapped operands, 4-bit nibble planes × both orders × 16/64-row tiles, then
+    # every tuned configuration
+    assert len(row_matmul_variants) == 40 + 4 + len(tuned_configs())
 
 
 def test_a_kernel_the_gpu_compiler_rejects_fails_the_check():
