@@ -115,6 +115,22 @@ def row_tile_candidates(tuned: dict) -> list[MatmulConfig]:
     return [dataclasses.replace(base, row_tiles=count) for count in tiles]
 
 
+def kind_of(config: MatmulConfig) -> str:
+    """A candidate's family: operand order, K order, warps x stages."""
+    order = "swapped" if config.swap_ab else "plain"
+    k_order = "nibble" if config.k_by_nibble else "plain"
+    return f"{order}/{k_order}/{config.num_warps}x{config.num_stages}"
+
+
+def best_by_kind(results: list[tuple[float, float, float, MatmulConfig]]) -> dict[str, dict]:
+    """The fastest candidate of each family (results sorted best first): by how much the
+    families that lost, lost."""
+    best: dict[str, dict] = {}
+    for _, t16, t128, config in results:
+        best.setdefault(kind_of(config), {"us_16_rows": t16, "us_128_rows": t128})
+    return best
+
+
 def make_weight(n: int, k: int, group: int | None):
     if group is None:
         return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -240,6 +256,7 @@ def main() -> None:
             "schedules": args.schedules,
             "operand_orders": args.operand_orders,
             "k_orders": args.k_orders,
+            "best_by_kind": best_by_kind(results),
         } | ({"swept": "row tiles only"} if args.row_tiles_only else {})
         if args.against_tuned:
             timings[key]["swept"] = f"the tuned entry against block_m {args.block_ms}"
