@@ -112,6 +112,8 @@ class Suite:
             }
             if layout != "bf16":  # the default reads the bf16 copy; the W4A16 kernel too
                 del engine
+                gc.collect()
+                empty_cache()
                 engine = measure_engine.build_target(
                     self.dirs[layout], 2, 4096, self.device, int4_reads="int4"
                 )

@@ -102,7 +102,8 @@ def parse_schedules(text: str) -> tuple[tuple[int, int], ...]:
     schedules = []
     for item in text.split(","):
         warps, _, stages = item.partition("x")
-        if not (warps.isdigit() and stages.isdigit()) or int(warps) not in (1, 2, 4, 8, 16):
+        valid = warps.isdigit() and stages.isdigit() and int(stages) >= 1
+        if not valid or int(warps) not in (1, 2, 4, 8, 16):
             raise ValueError(f"--schedules: WARPSxSTAGES items like 4x3, got {item!r}")
         schedules.append((int(warps), int(stages)))
     return tuple(schedules)

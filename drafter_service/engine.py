@@ -109,7 +109,8 @@ class DrafterEngine:
         for slot, rows in zip(slots, features, strict=True):
             self.check_context(slot, rows, num_drafts)
         self._check_draft(slots, anchor_ids, num_drafts)
-        if self.graphs is not None:
+        graph_rows = [min(rows.shape[0], MAX_NEW_CONTEXT) for rows in features]
+        if self._graph_fits(slots, graph_rows, num_drafts):  # else all rows in one call
             features = [
                 self._add_leading_rows(slot, rows)
                 for slot, rows in zip(slots, features, strict=True)

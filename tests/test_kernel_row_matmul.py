@@ -227,8 +227,9 @@ def test_nibble_planes_need_4_bit_weights_and_128_input_tiles():
     n, k, group_size = 40, 640, 128
     base = dataclasses.replace(matmul_config(n, k, group_size), block_k=128, k_per_split=k,
                                split_k=1)  # fmt: skip
-    with pytest.raises(ValueError, match="block_k a multiple of 128"):
-        dataclasses.replace(base, block_k=64, k_by_nibble=True)
+    for block_k in (64, 384):
+        with pytest.raises(ValueError, match="block_k a power of two >= 128"):
+            dataclasses.replace(base, block_k=block_k, k_by_nibble=True)
     dense, _ = make_weight("dense", n, k, group_size)
     with pytest.raises(ValueError, match="4-bit weight"):
         row_matmul(

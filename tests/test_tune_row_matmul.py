@@ -24,7 +24,7 @@ def test_schedules_multiply_the_sweep():
     assert {(c.num_warps, c.num_stages) for c in two} == {(4, 3), (8, 5)}
 
 
-@pytest.mark.parametrize("text", ["4", "4x", "x3", "3x3", "4y3"])
+@pytest.mark.parametrize("text", ["4", "4x", "x3", "3x3", "4y3", "4x0"])
 def test_bad_schedules_are_refused(text):
     with pytest.raises(ValueError, match="WARPSxSTAGES"):
         parse_schedules(text)

@@ -159,8 +159,9 @@ class MatmulConfig:
             raise ValueError(f"row_tiles must be 1, 2, 4 or 8, got {self.row_tiles}")
         if self.block_m not in BLOCK_MS:
             raise ValueError(f"block_m must be one of {BLOCK_MS}, got {self.block_m}")
-        if self.k_by_nibble and self.block_k % (NIBBLES_PER_WORD * MIN_DOT_K):
-            raise ValueError(f"k_by_nibble needs block_k a multiple of 128, got {self.block_k}")
+        planes = self.block_k // NIBBLES_PER_WORD  # a plane's K: a power of two >= 16
+        if self.k_by_nibble and (self.block_k < 128 or planes & (planes - 1)):
+            raise ValueError(f"k_by_nibble needs block_k a power of two >= 128, got {self.block_k}")
 
     @classmethod
     def over_splits(

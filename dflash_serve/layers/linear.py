@@ -127,8 +127,9 @@ class RowKernelGroup:
     of one group size) are computed as one matmul over their weights stacked along N.
 
     One launch instead of several, and a wider N that keeps the GPU busier. Dense members
-    become views of the stacked weight (no second copy); 4-bit members keep their own
-    repacked tensors for calls made through them alone. Only the kernel path uses the group:
+    become views of the stacked weight (no second copy; a 4-bit layer reading its bf16 copy
+    counts as dense, and that copy becomes a parameter); 4-bit members read packed keep their
+    own repacked tensors for calls made through them alone. Only the kernel path uses the group:
     calls above the members' row limit go through each linear as before.
     """
 
