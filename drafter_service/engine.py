@@ -111,12 +111,11 @@ class DrafterEngine:
         self._check_draft(slots, anchor_ids, num_drafts)
         graph_rows = [min(rows.shape[0], MAX_NEW_CONTEXT) for rows in features]
         if self._graph_fits(slots, graph_rows, num_drafts):  # else all rows in one call
-            features = [
+            tails = [
                 self._add_leading_rows(slot, rows)
                 for slot, rows in zip(slots, features, strict=True)
             ]
-        if self._graph_fits(slots, [rows.shape[0] for rows in features], num_drafts):
-            return self._replay(slots, features, anchor_ids, num_drafts)
+            return self._replay(slots, tails, anchor_ids, num_drafts)
         for slot, rows in zip(slots, features, strict=True):
             self.model.add_context(self.cache, slot, rows.to(self.device))
         return self._draft_checked(slots, anchor_ids, num_drafts)
