@@ -376,27 +376,51 @@ def _store_tiles(
 
 
 @triton.jit
-def _dequantize_words(
-    words, s, z, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr
-):
-    """[BLOCK_K / 8, BLOCK_N] packed words -> the fp32 tile [BLOCK_K, BLOCK_N], (q - z) * s
-    (SWAP_AB: words [BLOCK_N, BLOCK_K / 8] -> the tile [BLOCK_N, BLOCK_K]).
+def _packed_tile(
+    w_ptr, s_ptr, z_ptr, k0, offs_n, N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, SWAP_AB: tl.constexpr,
+):  # fmt: skip
+    """A 4-bit K tile within one group, each word loaded once: the packed words
+    [BLOCK_K / 8, BLOCK_N] (SWAP_AB: [BLOCK_N, BLOCK_K / 8]), the group's fp32 scales
+    [BLOCK_N] and its zeros as 2^23 + z [BLOCK_N] (what `_magic_dequantize` subtracts)."""
+    n_mask = offs_n < N
+    offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    if SWAP_AB:
+        words = tl.load(w_ptr + offs_word[None, :] * N + offs_n[:, None], mask=n_mask[:, None])
+    else:
+        words = tl.load(w_ptr + offs_word[:, None] * N + offs_n[None, :], mask=n_mask[None, :])
+    group = k0 // GROUP_SIZE
+    s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
+    zero_magic = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+    return words, s, zero_magic + 8388608.0
+
+
+@triton.jit
+def _magic_dequantize(nibbles, s, zero_magic):
+    """(q - z) * s in fp32 for nibbles q (s and zero_magic = 2^23 + z broadcast to them).
 
     Without an int -> float conversion per weight (conversions are the slow unit): the
     nibble is OR-ed into the mantissa of 2^23, giving the float 2^23 + q exactly, and
-    2^23 + z is subtracted, which is exact too. Row 8j + i of the tile is nibble i of word
-    row j, the order `RepackedInt4` stores.
+    2^23 + z is subtracted, which is exact too.
     """
-    zero_magic = z.to(tl.float32) + 8388608.0
+    magic = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)
+    return (magic - zero_magic) * s
+
+
+@triton.jit
+def _dequantize_words(
+    words, s, zero_magic, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr
+):
+    """[BLOCK_K / 8, BLOCK_N] packed words -> the fp32 tile [BLOCK_K, BLOCK_N], (q - z) * s
+    (SWAP_AB: words [BLOCK_N, BLOCK_K / 8] -> the tile [BLOCK_N, BLOCK_K]). Row 8j + i of
+    the tile is nibble i of word row j, the order `RepackedInt4` stores."""
     if SWAP_AB:
         nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-        magic = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)
-        w = (magic - zero_magic[:, None, None]) * s[:, None, None]
+        w = _magic_dequantize(nibbles, s[:, None, None], zero_magic[:, None, None])
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))
     else:
         nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-        magic = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)
-        w = (magic - zero_magic[None, None, :]) * s[None, None, :]
+        w = _magic_dequantize(nibbles, s[None, None, :], zero_magic[None, None, :])
         w = tl.reshape(w, (BLOCK_K, BLOCK_N))
     return w
 
@@ -412,16 +436,10 @@ def _weight_tile(
     rows of packed words, each word loaded once."""
     n_mask = offs_n < N
     if IS_INT4:
-        offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        if SWAP_AB:
-            word_ptrs = w_ptr + offs_word[None, :] * N + offs_n[:, None]
-            words = tl.load(word_ptrs, mask=n_mask[:, None])
-        else:
-            words = tl.load(w_ptr + offs_word[:, None] * N + offs_n[None, :], mask=n_mask[None, :])
-        group = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
-        z = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0)
-        w = _dequantize_words(words, s, z, BLOCK_K, BLOCK_N, SWAP_AB)
+        words, s, zero_magic = _packed_tile(
+            w_ptr, s_ptr, z_ptr, k0, offs_n, N, BLOCK_K, GROUP_SIZE, SWAP_AB
+        )
+        w = _dequantize_words(words, s, zero_magic, BLOCK_K, BLOCK_N, SWAP_AB)
         w = round_to(w, tl.bfloat16, ROUND_ON_BITS)
     elif SWAP_AB:
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -443,22 +461,17 @@ def _nibble_planes_step(
     """One 4-bit K tile as 8 nibble planes: plane i holds inputs k0 + 8j + i (nibble i of
     word row j), is dequantized elementwise where the words sit, (q - z) * s rounded to
     bf16 as in `_weight_tile`, and is summed into the row tiles by its own dot."""
-    n_mask = offs_n < N
-    offs_j = tl.arange(0, BLOCK_K // 8)
-    offs_word = k0 // 8 + offs_j
-    group = k0 // GROUP_SIZE
-    s = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0)
-    zero_magic = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-    zero_magic += 8388608.0
+    words, s, zero_magic = _packed_tile(
+        w_ptr, s_ptr, z_ptr, k0, offs_n, N, BLOCK_K, GROUP_SIZE, SWAP_AB
+    )
     if SWAP_AB:
-        words = tl.load(w_ptr + offs_word[None, :] * N + offs_n[:, None], mask=n_mask[:, None])
         s, zero_magic = s[:, None], zero_magic[:, None]
     else:
-        words = tl.load(w_ptr + offs_word[:, None] * N + offs_n[None, :], mask=n_mask[None, :])
         s, zero_magic = s[None, :], zero_magic[None, :]
+    offs_j = tl.arange(0, BLOCK_K // 8)
     for i in tl.static_range(8):
-        magic = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-        w = round_to((magic - zero_magic) * s, tl.bfloat16, ROUND_ON_BITS)
+        plane = _magic_dequantize((words >> (4 * i)) & 0xF, s, zero_magic)
+        w = round_to(plane, tl.bfloat16, ROUND_ON_BITS)
         offs_k = k0 + 8 * offs_j + i
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_step(
             x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w,
