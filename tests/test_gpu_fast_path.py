@@ -10,6 +10,7 @@ on a GPU the tests also cover CUDA-graph replay and Qwen3.5-4B-shaped layers.
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -370,3 +371,108 @@ def test_qwen35_4b_shaped_speculative_equals_plain(tmp_path, layout, int4_reads)
             model, num_sequences, graph_batch_sizes=tuple(range(1, num_sequences + 1))
         )
         assert speculative == plain, (num_sequences, first_differences(plain, speculative))
+
+
+def solo_logits(engine, tokens, prompt_length):
+    """Every row of a sequence decoded alone: the prompt as verify blocks committed whole,
+    then one token per verify. Row i predicts token i + 1 given tokens 0..i."""
+    slot = engine.open_sequence()
+    rows = []
+    for start in range(0, prompt_length, 16):
+        block = tokens[start : min(start + 16, prompt_length)]
+        rows.extend(engine.verify([slot], [block]).logits[0])
+        engine.commit(slot, len(block))
+    for token in tokens[prompt_length:-1]:
+        rows.append(engine.verify([slot], [[token]]).logits[0, 0])
+        engine.commit(slot, 1)
+    engine.close_sequence(slot)
+    return torch.stack(rows)
+
+
+def random_compositions(engine, sequences, solo, seed, max_batch_size):
+    """Verify every sequence's tokens in batches of random composition, as concurrent sessions
+    produce them: random subsets, prompt blocks beside draft blocks of random length whose
+    drafts go wrong at a random row, random commit counts. Every row whose context is the
+    sequence's own tokens is compared with the same row decoded alone; returns the rows that
+    differ (sequence, position, the batch's (sequence, start, length) blocks)."""
+    rng = random.Random(seed)
+    vocab = engine.config.vocab_size
+    slots = [engine.open_sequence() for _ in sequences]
+    done = [0] * len(sequences)  # tokens committed
+    differences = []
+    while active := [i for i, (tokens, _) in enumerate(sequences) if done[i] < len(tokens) - 1]:
+        group = rng.sample(active, rng.randint(1, min(len(active), max_batch_size)))
+        blocks, on_path = [], []
+        for i in group:
+            tokens, prompt_length = sequences[i]
+            start = done[i]
+            if start < prompt_length:  # a prompt block: every token kept
+                block = tokens[start : min(start + 16, prompt_length)]
+                blocks.append(block)
+                on_path.append(len(block))
+                continue
+            length = rng.randint(1, min(16, len(tokens) - 1 - start))
+            right = rng.randint(1, length)  # the anchor and the drafts that match
+            block = tokens[start : start + right]
+            block += [(t + 1) % vocab for t in tokens[start + right : start + length]]
+            blocks.append(block)
+            on_path.append(right)
+        logits = engine.verify([slots[i] for i in group], blocks).logits
+        batch = [(i, done[i], len(block)) for i, block in zip(group, blocks, strict=True)]
+        kept = []
+        for row, i in enumerate(group):
+            start = done[i]
+            for t in range(on_path[row]):
+                if not torch.equal(logits[row, t], solo[i][start + t]):
+                    differences.append((i, start + t, batch))
+            prompt_length = sequences[i][1]
+            kept.append(on_path[row] if start < prompt_length else rng.randint(1, on_path[row]))
+        engine.commit_many([slots[i] for i in group], kept)
+        for i, count in zip(group, kept, strict=True):
+            done[i] += count
+    for slot in slots:
+        engine.close_sequence(slot)
+    return differences
+
+
+def check_random_compositions(model, num_sequences, graph_batch_sizes, seeds, num_new=40):
+    """Greedy sequences decoded alone, then re-verified in random batch compositions: every
+    on-path row must be bit for bit the row decoded alone."""
+    engine = new_engine(model, graph_batch_sizes, max_slots=num_sequences)
+    vocab = model.config.vocab_size
+    sequences = []
+    for i in range(num_sequences):
+        prompt = [(i * 13 + j * 5) % vocab for j in range(6 + 7 * i)]
+        slot = engine.open_sequence()
+        token = int(engine.prefill(slot, prompt).last_logits.argmax())
+        tokens = [*prompt, token]
+        for _ in range(num_new - 1):
+            token = int(engine.verify([slot], [[token]]).logits[0, 0].argmax())
+            engine.commit(slot, 1)
+            tokens.append(token)
+        engine.close_sequence(slot)
+        sequences.append((tokens, len(prompt)))
+    solo = [solo_logits(engine, tokens, prompt_length) for tokens, prompt_length in sequences]
+    for seed in seeds:
+        differences = random_compositions(engine, sequences, solo, seed, num_sequences)
+        assert not differences, (seed, len(differences), differences[:3])
+
+
+def test_any_batch_composition_gives_each_row_the_bits_of_decoding_alone(kernel_model):
+    check_random_compositions(kernel_model, 2, (), seeds=[0], num_new=10)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layout", "int4_reads"), [("bf16", "bf16"), ("int4_all", "bf16"),
+                                                    ("int4_all", "int4")])  # fmt: skip
+def test_qwen35_4b_shaped_rows_equal_alone_in_any_composition(tmp_path, layout, int4_reads):
+    """The random-composition check on Qwen3.5-4B's layer shapes (4 layers), 8 sequences:
+    graphs for every batch size, then for a few (the others run eagerly)."""
+    layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    config = QWEN35_4B_TEXT | {"num_hidden_layers": 4, "layer_types": layer_types}
+    model_dir = write_target(tmp_path / layout, config, layout, device="cuda")
+    model = load_target_model(model_dir, torch.bfloat16, "cuda")
+    model.use_gpu_kernels(8 * 16, int4_reads)
+    for graph_batch_sizes in (tuple(range(1, 9)), (1, 4)):
+        check_random_compositions(model, 8, graph_batch_sizes, seeds=range(6), num_new=48)
