@@ -6,10 +6,20 @@ everything that varies between calls from its input tensors (slots, positions, t
 features) and returns tensors; `replay` copies new inputs into the captured buffers, replays,
 and returns copies of the outputs (the captured outputs are overwritten by the next replay).
 Shapes that were not captured return None, and the caller runs the same step eagerly.
+
+Python's cyclic garbage collector must not run during a capture: it can free an earlier,
+dropped set of graphs (they sit in reference cycles through their step's bound method), and
+destroying a graph or releasing its memory pool in the middle of a capture invalidates the
+capture ("operation failed due to a previous error during capture"; seen on the H200 when a
+second engine was built after a first was dropped). torch no longer collects before a capture
+(only under `force_cudagraph_gc`), so `StepGraphs` collects once first, then pauses the
+collector for each capture.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -37,6 +47,7 @@ class StepGraphs:
         keeps their shape. Capturing runs the step (twice) with them."""
         self.step = step
         self.pool = torch.cuda.graph_pool_handle()
+        gc.collect()  # what is already garbage goes now, outside any capture
         self.captured = {key: self._capture(key, inputs) for key, inputs in warmup_inputs.items()}
         logger.info("captured %d graphs: %s", len(self.captured), list(self.captured))
 
@@ -48,7 +59,7 @@ class StepGraphs:
             self.step(inputs, key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with _collector_paused(), torch.cuda.graph(graph, pool=self.pool):
             outputs = self.step(inputs, key)
         return _Captured(graph, inputs, outputs)
 
@@ -63,3 +74,15 @@ class StepGraphs:
             buffer.copy_(new, non_blocking=True)
         captured.graph.replay()
         return tuple(None if out is None else out.clone() for out in captured.outputs)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """No automatic garbage collection inside (an explicit gc.collect() still runs)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
