@@ -13,7 +13,8 @@ destroying a graph or releasing its memory pool in the middle of a capture inval
 capture ("operation failed due to a previous error during capture"; seen on the H200 when a
 second engine was built after a first was dropped). torch no longer collects before a capture
 (only under `force_cudagraph_gc`), so `StepGraphs` collects once first, then pauses the
-collector for each capture.
+collector for each capture. The collector's switch is process-wide, so captures take one
+process-wide lock: a second thread's capture cannot re-enable it during the first.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 
 logger = logging.getLogger(__name__)
+_CAPTURE_LOCK = threading.Lock()
 
 Inputs = tuple[torch.Tensor, ...]
 StepFn = Callable[[Inputs, Hashable], tuple[torch.Tensor | None, ...]]
@@ -59,7 +62,7 @@ class StepGraphs:
             self.step(inputs, key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with _collector_paused(), torch.cuda.graph(graph, pool=self.pool):
+        with _CAPTURE_LOCK, _collector_paused(), torch.cuda.graph(graph, pool=self.pool):
             outputs = self.step(inputs, key)
         return _Captured(graph, inputs, outputs)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from dflash_serve.cuda_graphs import _collector_paused
 
 
@@ -27,3 +29,9 @@ def test_the_collector_is_paused_inside_and_restored_after():
         assert not gc.isenabled()  # a caller's disabled collector stays disabled
     finally:
         gc.enable()
+
+
+def test_an_exception_inside_restores_the_collector():
+    with pytest.raises(RuntimeError), _collector_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()

@@ -377,9 +377,10 @@ def solo_logits(engine, tokens, prompt_length):
     """Every row of a sequence decoded alone: the prompt as verify blocks committed whole,
     then one token per verify. Row i predicts token i + 1 given tokens 0..i."""
     slot = engine.open_sequence()
+    size = engine.state.shape.max_block_tokens
     rows = []
-    for start in range(0, prompt_length, 16):
-        block = tokens[start : min(start + 16, prompt_length)]
+    for start in range(0, prompt_length, size):
+        block = tokens[start : min(start + size, prompt_length)]
         rows.extend(engine.verify([slot], [block]).logits[0])
         engine.commit(slot, len(block))
     for token in tokens[prompt_length:-1]:
@@ -392,11 +393,12 @@ def solo_logits(engine, tokens, prompt_length):
 def random_compositions(engine, sequences, solo, seed, max_batch_size):
     """Verify every sequence's tokens in batches of random composition, as concurrent sessions
     produce them: random subsets, prompt blocks beside draft blocks of random length whose
-    drafts go wrong at a random row, random commit counts. Every row whose context is the
+    drafts may go wrong at a random row, random commit counts. Every row whose context is the
     sequence's own tokens is compared with the same row decoded alone; returns the rows that
     differ (sequence, position, the batch's (sequence, start, length) blocks)."""
     rng = random.Random(seed)
     vocab = engine.config.vocab_size
+    size = engine.state.shape.max_block_tokens
     slots = [engine.open_sequence() for _ in sequences]
     done = [0] * len(sequences)  # tokens committed
     differences = []
@@ -407,11 +409,11 @@ def random_compositions(engine, sequences, solo, seed, max_batch_size):
             tokens, prompt_length = sequences[i]
             start = done[i]
             if start < prompt_length:  # a prompt block: every token kept
-                block = tokens[start : min(start + 16, prompt_length)]
+                block = tokens[start : min(start + size, prompt_length)]
                 blocks.append(block)
                 on_path.append(len(block))
                 continue
-            length = rng.randint(1, min(16, len(tokens) - 1 - start))
+            length = rng.randint(1, min(size, len(tokens) - 1 - start))
             right = rng.randint(1, length)  # the anchor and the drafts that match
             block = tokens[start : start + right]
             block += [(t + 1) % vocab for t in tokens[start + right : start + length]]
@@ -453,6 +455,9 @@ def check_random_compositions(model, num_sequences, graph_batch_sizes, seeds, nu
         engine.close_sequence(slot)
         sequences.append((tokens, len(prompt)))
     solo = [solo_logits(engine, tokens, prompt_length) for tokens, prompt_length in sequences]
+    for (tokens, prompt_length), rows in zip(sequences, solo, strict=True):
+        greedy = rows[prompt_length - 1 :].argmax(dim=-1).tolist()
+        assert greedy == tokens[prompt_length:]  # decoded alone twice, the same tokens
     for seed in seeds:
         differences = random_compositions(engine, sequences, solo, seed, num_sequences)
         assert not differences, (seed, len(differences), differences[:3])
