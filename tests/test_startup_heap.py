@@ -23,7 +23,8 @@ def test_objects_alive_at_the_freeze_are_no_longer_walked_and_later_ones_are():
         after = Node()
         after.cycle = after
         tracked = {id(obj) for obj in gc.get_objects()}
-        assert frozen == gc.get_freeze_count() > 0
+        # A frozen object leaves the count only when it is freed (another thread's, say).
+        assert 0 < gc.get_freeze_count() <= frozen
         assert id(before) not in tracked
         assert id(after) in tracked
         assert dropped_id not in tracked
