@@ -354,18 +354,28 @@ def test_after_warm_up_serving_compiles_no_recurrence_variant(kernel_model):
     assert len(cache) == compiled
 
 
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize(("layout", "int4_reads"), [("bf16", "bf16"), ("int4_all", "bf16"),
-                                                    ("int4_all", "int4")])  # fmt: skip
-def test_qwen35_4b_shaped_speculative_equals_plain(tmp_path, layout, int4_reads):
-    """Random weights of Qwen3.5-4B's layer shapes (4 layers), graphs at batch 1 and 8; 4-bit
-    layers read either way (their bf16 copy, the serving default, or the W4A16 kernel)."""
+# Weight layouts × what 4-bit layers read: their bf16 copy (the serving default) or the W4A16
+# kernel.
+LAYOUTS_AND_READS = [("bf16", "bf16"), ("int4_all", "bf16"), ("int4_all", "int4")]
+
+
+def qwen35_4b_shaped_model(tmp_path, layout, int4_reads):
+    """Random weights of Qwen3.5-4B's layer shapes (4 layers) on the GPU kernels, with room
+    for 8 sequences' 16-token blocks."""
     layer_types = ["linear_attention"] * 3 + ["full_attention"]
     config = QWEN35_4B_TEXT | {"num_hidden_layers": 4, "layer_types": layer_types}
     model_dir = write_target(tmp_path / layout, config, layout, device="cuda")
     model = load_target_model(model_dir, torch.bfloat16, "cuda")
     model.use_gpu_kernels(8 * 16, int4_reads)
+    return model
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layout", "int4_reads"), LAYOUTS_AND_READS)
+def test_qwen35_4b_shaped_speculative_equals_plain(tmp_path, layout, int4_reads):
+    """Graphs at batch 1 and 8, every layout and 4-bit read."""
+    model = qwen35_4b_shaped_model(tmp_path, layout, int4_reads)
     for num_sequences in (1, 8):
         plain, speculative = speculative_equals_plain(
             model, num_sequences, graph_batch_sizes=tuple(range(1, num_sequences + 1))
@@ -377,10 +387,8 @@ def solo_logits(engine, tokens, prompt_length):
     """Every row of a sequence decoded alone: the prompt as verify blocks committed whole,
     then one token per verify. Row i predicts token i + 1 given tokens 0..i."""
     slot = engine.open_sequence()
-    size = engine.state.shape.max_block_tokens
     rows = []
-    for start in range(0, prompt_length, size):
-        block = tokens[start : min(start + size, prompt_length)]
+    for block in engine.prompt_blocks(tokens[:prompt_length]):
         rows.extend(engine.verify([slot], [block]).logits[0])
         engine.commit(slot, len(block))
     for token in tokens[prompt_length:-1]:
@@ -469,15 +477,10 @@ def test_any_batch_composition_gives_each_row_the_bits_of_decoding_alone(kernel_
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize(("layout", "int4_reads"), [("bf16", "bf16"), ("int4_all", "bf16"),
-                                                    ("int4_all", "int4")])  # fmt: skip
+@pytest.mark.parametrize(("layout", "int4_reads"), LAYOUTS_AND_READS)
 def test_qwen35_4b_shaped_rows_equal_alone_in_any_composition(tmp_path, layout, int4_reads):
-    """The random-composition check on Qwen3.5-4B's layer shapes (4 layers), 8 sequences:
-    graphs for every batch size, then for a few (the others run eagerly)."""
-    layer_types = ["linear_attention"] * 3 + ["full_attention"]
-    config = QWEN35_4B_TEXT | {"num_hidden_layers": 4, "layer_types": layer_types}
-    model_dir = write_target(tmp_path / layout, config, layout, device="cuda")
-    model = load_target_model(model_dir, torch.bfloat16, "cuda")
-    model.use_gpu_kernels(8 * 16, int4_reads)
+    """The random-composition check, 8 sequences: graphs for every batch size, then for a
+    few (the others run eagerly)."""
+    model = qwen35_4b_shaped_model(tmp_path, layout, int4_reads)
     for graph_batch_sizes in (tuple(range(1, 9)), (1, 4)):
         check_random_compositions(model, 8, graph_batch_sizes, seeds=range(6), num_new=48)
