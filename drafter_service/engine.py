@@ -8,6 +8,11 @@ On a model running its GPU kernels, drafts of captured batch sizes replay a CUDA
 (`DraftGraphs`) of a full block; fewer drafts are the first ones of that full block (the
 drafter is trained on full blocks, and an eager forward of a shorter one costs hundreds of
 kernel launches). Batch sizes that were not captured run the same kernels eagerly.
+
+A step that drafts nothing (the gateway paces drafting out while drafts keep failing) only
+hands over the committed tokens' features: they wait (`defer_context`) and enter the cache
+with the slot's next draft, in the same forward, inside its graph when they fit, instead of
+costing an eager forward of a few rows at every paced-out step.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class DrafterEngine:
         dtype = model.fc.weight.dtype
         self.cache = DrafterContextCache(self.config, max_slots, max_len, dtype, self.device)
         self.slots = SlotAllocator(max_slots, "drafter")
+        self.deferred: dict[int, list[torch.Tensor]] = {}  # slot -> feature rows, oldest first
         self.graphs: DraftGraphs | None = None
         batch_sizes = tuple(b for b in graph_batch_sizes if b <= max_slots)
         if batch_sizes and self.config.block_size != DRAFT_BLOCK_TOKENS:
@@ -65,19 +71,30 @@ class DrafterEngine:
     def open_sequence(self) -> int:
         slot = self.slots.acquire()
         self.cache.lengths[slot] = 0
+        self.deferred.pop(slot, None)
         return slot
 
     def close_sequence(self, slot: int) -> None:
+        self.deferred.pop(slot, None)
         self.slots.release(slot)
 
     def context_length(self, slot: int) -> int:
-        return self.cache.lengths[slot]
+        """Context tokens of the slot, deferred ones included."""
+        return self.cache.lengths[slot] + self._num_deferred(slot)
 
     @torch.inference_mode()
     def add_context(self, slot: int, features: torch.Tensor) -> None:
         """Append the tapped target features [n, taps·hidden] of n committed tokens."""
         self.check_context(slot, features)
-        self.model.add_context(self.cache, slot, features.to(self.device))
+        self.model.add_context(self.cache, slot, self._with_deferred(slot, features))
+
+    @torch.inference_mode()
+    def defer_context(self, slot: int, features: torch.Tensor) -> None:
+        """`add_context` without a forward now: the rows join the slot's next draft (or
+        add_context). Copied, as a caller's buffer (the target's shared features) may be
+        reused before then."""
+        self.check_context(slot, features)
+        self.deferred.setdefault(slot, []).append(features.to(self.device, copy=True))
 
     def check_context(self, slot: int, features: torch.Tensor, num_drafts: int = 0) -> None:
         """Raise InvalidRequestError unless `features` (and then a block of `num_drafts`
@@ -89,7 +106,7 @@ class DrafterEngine:
                 f"({len(self.config.target_layer_ids)} taps × hidden {self.config.hidden_size}); "
                 f"got {list(features.shape)}"
             )
-        if self.cache.lengths[slot] + features.shape[0] > self.cache.max_len:
+        if self.context_length(slot) + features.shape[0] > self.cache.max_len:
             raise InvalidRequestError(
                 f"slot {slot}: context would exceed max_len {self.cache.max_len}"
             )
@@ -109,6 +126,9 @@ class DrafterEngine:
         for slot, rows in zip(slots, features, strict=True):
             self.check_context(slot, rows, num_drafts)
         self._check_draft(slots, anchor_ids, num_drafts)
+        features = [
+            self._with_deferred(slot, rows) for slot, rows in zip(slots, features, strict=True)
+        ]
         graph_rows = [min(rows.shape[0], MAX_NEW_CONTEXT) for rows in features]
         if self._graph_fits(slots, graph_rows, num_drafts):  # else all rows in one call
             tails = [
@@ -126,6 +146,10 @@ class DrafterEngine:
         self._check_draft(slots, anchor_ids, num_drafts)
         for slot in slots:
             self._check_block_room(slot, 0, num_drafts)
+        no_rows = torch.empty(0, self.feature_dim, device=self.device)
+        for slot in slots:
+            if self._num_deferred(slot):
+                self.model.add_context(self.cache, slot, self._with_deferred(slot, no_rows))
         return self._draft_checked(slots, anchor_ids, num_drafts)
 
     def _graph_fits(self, slots: list[int], num_new: list[int], num_drafts: int) -> bool:
@@ -158,9 +182,19 @@ class DrafterEngine:
             self.cache.lengths[slot] += rows.shape[0]
         return [ids[:num_drafts] for ids in draft_ids.tolist()]
 
+    def _num_deferred(self, slot: int) -> int:
+        return sum(rows.shape[0] for rows in self.deferred.get(slot, ()))
+
+    def _with_deferred(self, slot: int, features: torch.Tensor) -> torch.Tensor:
+        """The slot's deferred rows, then `features`, on the device; the slot keeps none
+        (call once its request has been checked: the rows are then the cache's to add)."""
+        rows = features.to(self.device)
+        deferred = self.deferred.pop(slot, None)
+        return rows if deferred is None else torch.cat([*deferred, rows.to(deferred[0].dtype)])
+
     def _check_block_room(self, slot: int, num_new_context: int, num_drafts: int) -> None:
         """The anchor and drafts must fit after the context (and its new rows)."""
-        if self.cache.lengths[slot] + num_new_context + num_drafts + 1 > self.cache.max_len:
+        if self.context_length(slot) + num_new_context + num_drafts + 1 > self.cache.max_len:
             raise InvalidRequestError(f"slot {slot}: block would exceed max_len")
 
     def _blocks(self, anchor_ids: list[int], num_drafts: int) -> list[list[int]]:

@@ -45,8 +45,8 @@ def add_context_and_draft(
     for index, request in enumerate(requests):
         try:
             engine.check_context(request.slot, request.features, request.num_drafts)
-            if request.num_drafts == 0:  # a paced-out step: the context only
-                engine.add_context(request.slot, request.features)
+            if request.num_drafts == 0:  # a paced-out step: its context joins the next draft
+                engine.defer_context(request.slot, request.features)
                 results[index] = Drafts([], time.perf_counter_ns() - began_ns, 1)
                 continue
         except DflashError as error:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from dflash_serve.errors import CheckpointError, ConfigError, InvalidRequestError
 from drafter_service.engine import DrafterEngine
 from drafter_service.model.loader import load_drafter
+from drafter_service.speculative_step import DraftRequest, add_context_and_draft
 from tests.tiny_checkpoints import TINY_VOCAB, write_dflash
 
 # fp32 throughout. Measured worst gap per variant: 3.5e-6 (reference rule), 5.1e-6 (all causal),
@@ -163,6 +164,84 @@ def test_drafter_matches_naive_reference(variant, tmp_path, dflash_dir, causal_l
     features[slots[1]] = torch.cat((features[slots[1]], extra))
     gaps.append(check_against_naive(engine, naive, slots, features, 15))
     assert max(gaps) < LOGIT_ATOL  # measured: <= 5.1e-6 (see LOGIT_ATOL)
+
+
+def test_deferred_context_joins_the_next_draft(dflash_dir, causal_lm_dir):
+    """A paced-out step's features wait outside the cache (no forward); the next draft adds
+    them before its own rows, and drafts what the reference gives on the whole context."""
+    naive = NaiveDrafter(dflash_dir, causal_lm_dir)
+    engine = make_engine(dflash_dir, causal_lm_dir)
+    slots = [engine.open_sequence() for _ in range(2)]
+    features, last = {}, {}
+    for slot, sizes in zip(slots, ((3, 1, 1, 2), (2, 4, 3)), strict=True):
+        parts = [features_for(engine, n, seed=10 * slot + j) for j, n in enumerate(sizes)]
+        engine.add_context(slot, parts[0])
+        for part in parts[1:-1]:
+            engine.defer_context(slot, part)
+        assert engine.cache.lengths[slot] == sizes[0]
+        assert engine.context_length(slot) == sum(sizes[:-1])
+        features[slot], last[slot] = torch.cat(parts), parts[-1]
+    anchors = list(ANCHORS[:2])
+    drafts = engine.add_context_and_draft(slots, [last[s] for s in slots], anchors, 15)
+    for b, slot in enumerate(slots):
+        assert engine.cache.lengths[slot] == features[slot].shape[0]
+        assert drafts[b] == naive.logits(features[slot], anchors[b], 15).argmax(-1).tolist()
+    assert check_against_naive(engine, naive, slots, features, 15) < LOGIT_ATOL
+
+
+def test_deferred_context_enters_before_a_plain_draft_or_add(dflash_dir, causal_lm_dir):
+    """draft() and add_context() add a slot's deferred rows first, in order."""
+    naive = NaiveDrafter(dflash_dir, causal_lm_dir)
+    engine = make_engine(dflash_dir, causal_lm_dir)
+    slot = engine.open_sequence()
+    parts = [features_for(engine, n, seed=n) for n in (4, 2, 3, 1)]
+    engine.add_context(slot, parts[0])
+    engine.defer_context(slot, parts[1])
+    want = naive.logits(torch.cat(parts[:2]), ANCHORS[0], 15).argmax(-1).tolist()
+    assert engine.draft([slot], [ANCHORS[0]], 15) == [want]
+    assert engine.cache.lengths[slot] == 6
+    engine.defer_context(slot, parts[2])
+    engine.add_context(slot, parts[3])
+    assert engine.cache.lengths[slot] == engine.context_length(slot) == 10
+    check_against_naive(engine, naive, [slot], {slot: torch.cat(parts)}, 4)
+
+
+def test_deferred_rows_count_against_max_len_and_go_with_the_slot(dflash_dir, causal_lm_dir):
+    engine = make_engine(dflash_dir, causal_lm_dir, max_slots=1)  # max_len 64
+    slot = engine.open_sequence()
+    engine.add_context(slot, features_for(engine, 60, seed=0))
+    engine.defer_context(slot, features_for(engine, 3, seed=1))
+    with pytest.raises(InvalidRequestError, match="max_len"):
+        engine.defer_context(slot, features_for(engine, 2, seed=2))
+    with pytest.raises(InvalidRequestError, match="max_len"):
+        engine.add_context_and_draft([slot], [features_for(engine, 0, seed=3)], [5], 1)
+    assert engine.context_length(slot) == 63 and engine.cache.lengths[slot] == 60
+    engine.close_sequence(slot)
+    slot = engine.open_sequence()
+    assert engine.context_length(slot) == 0
+
+
+def test_a_paced_out_request_runs_no_forward(dflash_dir, causal_lm_dir, monkeypatch):
+    """speculative_step: num_drafts 0 defers the features; drafting requests still run."""
+    engine = make_engine(dflash_dir, causal_lm_dir)
+    paced, drafting = engine.open_sequence(), engine.open_sequence()
+    for slot in (paced, drafting):
+        engine.add_context(slot, features_for(engine, 3, seed=slot))
+    forwards = []
+    add_context = engine.model.add_context
+    monkeypatch.setattr(
+        engine.model,
+        "add_context",
+        lambda cache, slot, rows: forwards.append(slot) or add_context(cache, slot, rows),
+    )
+    requests = [
+        DraftRequest(paced, features_for(engine, 1, seed=7), 5, 0),
+        DraftRequest(drafting, features_for(engine, 2, seed=8), 6, 15),
+    ]
+    results = add_context_and_draft(engine, requests)
+    assert results[0].token_ids == [] and len(results[1].token_ids) == 15
+    assert forwards == [drafting]
+    assert engine.cache.lengths[paced] == 3 and engine.context_length(paced) == 4
 
 
 def test_reused_slot_starts_empty(dflash_dir, causal_lm_dir):

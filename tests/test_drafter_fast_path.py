@@ -83,6 +83,30 @@ def fill(engine, contexts, seed=0):
     return slots
 
 
+def eager_and_counted_graphed(drafter_dir, target_dir, monkeypatch):
+    """An eager bf16 engine and one with a batch-3 draft graph whose replays are counted,
+    each with slots holding 5, 3 and 9 context rows."""
+    dtype = torch.bfloat16
+    eager = new_engine(drafter_dir, target_dir, dtype, kernels=True)
+    graphed = new_engine(drafter_dir, target_dir, dtype, kernels=True, graph_batch_sizes=(3,))
+    replays = []
+    replay = graphed.graphs.replay
+    monkeypatch.setattr(graphed.graphs, "replay", lambda *a: replays.append(1) or replay(*a))
+    slots = {engine: fill(engine, (5, 3, 9)) for engine in (eager, graphed)}
+    return eager, graphed, slots, replays
+
+
+def assert_fused_step_drafts_as_eager(eager, graphed, slots, new) -> None:
+    """add_context_and_draft of each engine's `new` rows on the graphed engine drafts what
+    add_context, then draft, gives on the eager one."""
+    for slot, rows in zip(slots[eager], new[eager], strict=True):
+        eager.add_context(slot, rows)
+    expected = eager.draft(slots[eager], list(ANCHORS), 15)
+    assert graphed.add_context_and_draft(slots[graphed], new[graphed], list(ANCHORS), 15) == (
+        expected
+    )
+
+
 def draft_logits(engine, slots, num_drafts):
     mask = engine.config.mask_token_id
     block = [[a] + [mask] * num_drafts for a in ANCHORS[: len(slots)]]
@@ -202,19 +226,29 @@ def test_prompt_sized_context_still_replays_the_graph(drafter_dir, target_dir, m
     projections run on cuBLAS, whose bits for a row are assumed here not to depend on how
     many rows share the call; the fused test above assumes it too. Drafts need not be exact:
     were that to change on another GPU, only this equality would.)"""
-    dtype = torch.bfloat16
-    eager = new_engine(drafter_dir, target_dir, dtype, kernels=True)
-    graphed = new_engine(drafter_dir, target_dir, dtype, kernels=True, graph_batch_sizes=(3,))
-    replays = []
-    replay = graphed.graphs.replay
-    monkeypatch.setattr(graphed.graphs, "replay", lambda *a: replays.append(1) or replay(*a))
-    slots = {engine: fill(engine, (5, 3, 9)) for engine in (eager, graphed)}
+    eager, graphed, slots, replays = eager_and_counted_graphed(drafter_dir, target_dir, monkeypatch)
     new = {engine: [features(engine, n, seed=n) for n in (2, 40, 16)] for engine in slots}
-    for slot, rows in zip(slots[eager], new[eager], strict=True):
-        eager.add_context(slot, rows)
-    expected = eager.draft(slots[eager], list(ANCHORS), 15)
-    assert graphed.add_context_and_draft(slots[graphed], new[graphed], list(ANCHORS), 15) == (
-        expected
-    )
+    assert_fused_step_drafts_as_eager(eager, graphed, slots, new)
     assert replays == [1]
     assert [graphed.context_length(s) for s in slots[graphed]] == [7, 43, 25]
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_deferred_context_joins_the_next_graph_replay(drafter_dir, target_dir, monkeypatch):
+    """Paced-out steps' rows (deferred) enter with the next draft inside its graph: one
+    replay, drafting what eager add_context of every row, then draft, gives."""
+    eager, graphed, slots, replays = eager_and_counted_graphed(drafter_dir, target_dir, monkeypatch)
+    for step in range(3):  # three paced-out steps of one committed token each
+        for engine in slots:
+            for i, slot in enumerate(slots[engine]):
+                rows = features(engine, 1, seed=10 * step + i)
+                if engine is eager:
+                    eager.add_context(slot, rows)
+                else:
+                    graphed.defer_context(slot, rows)
+    assert [graphed.cache.lengths[s] for s in slots[graphed]] == [5, 3, 9]
+    new = {engine: [features(engine, n, seed=100 + n) for n in (1, 4, 2)] for engine in slots}
+    assert_fused_step_drafts_as_eager(eager, graphed, slots, new)
+    assert replays == [1]
+    assert [graphed.cache.lengths[s] for s in slots[graphed]] == [9, 10, 14]
