@@ -40,7 +40,7 @@ import torch
 from bench.timing import run_facts, synchronize
 from dflash_serve.service_settings import ServiceSettings
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
-from dflash_serve.speculative.pacing import DraftPacing
+from dflash_serve.speculative.pacing import DraftPacing, StepCosts
 from dflash_serve.speculative.types import SamplingParams, SpecStats
 from drafter_service.config import DrafterServiceConfig
 from drafter_service.model.config import load_dflash_config
@@ -86,6 +86,7 @@ class PairInProcess:
     ) -> None:
         """is_adaptive: pace drafting as the gateway does by default (DraftPacing)."""
         self.is_adaptive = is_adaptive
+        self.step_costs = StepCosts()  # shared by every request, as in one gateway
         settings = ServiceSettings(device=device, max_context_tokens=max_context_tokens)
         taps = load_dflash_config(drafter_dir).target_layer_ids
         self.dtype = settings.resolved_dtype
@@ -115,7 +116,7 @@ class PairInProcess:
             StopRules(max_new_tokens, self.stop_token_ids),
             self.num_drafts,
             self.target.info.max_context_tokens,
-            DraftPacing() if self.is_adaptive else None,
+            DraftPacing(self.step_costs) if self.is_adaptive else None,
         )
         try:
             token_ids = [token async for token in run.tokens()]

@@ -9,7 +9,7 @@ On a model running its GPU kernels, drafts of captured batch sizes replay a CUDA
 drafter is trained on full blocks, and an eager forward of a shorter one costs hundreds of
 kernel launches). Batch sizes that were not captured run the same kernels eagerly.
 
-A step that drafts nothing (the gateway paces drafting out while drafts keep failing) only
+A step that drafts nothing (the gateway paces drafting out while drafting does not pay) only
 hands over the committed tokens' features: they wait (`defer_context`) and enter the cache
 with the slot's next draft, in the same forward, inside its graph when they fit, instead of
 costing an eager forward of a few rows at every paced-out step.

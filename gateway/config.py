@@ -19,7 +19,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     num_drafts: int = 15
-    adaptive_drafting: bool = True  # draft less often while drafts keep being rejected
+    adaptive_drafting: bool = True  # draft less often while drafting does not pay
     max_concurrent_requests: int = 16
     max_queued_requests: int = 64
     request_timeout_s: float = 600.0

@@ -16,7 +16,7 @@ from dflash_serve.speculative.loop import (
     SpeculativeGeneration,
     StopRules,
 )
-from dflash_serve.speculative.pacing import DraftPacing
+from dflash_serve.speculative.pacing import DraftPacing, StepCosts
 from gateway.backends import Backends
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
@@ -68,6 +68,7 @@ class Generator:
         self.backends = backends
         self.tokenizer = tokenizer
         self.metrics: GatewayMetrics = metrics
+        self.step_costs = StepCosts()  # what drafted and plain steps cost, over all requests
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_ids is not None:
@@ -121,7 +122,7 @@ class Generator:
             stops,
             self.config.num_drafts,
             info.max_context_tokens,
-            DraftPacing() if self.config.adaptive_drafting else None,
+            DraftPacing(self.step_costs) if self.config.adaptive_drafting else None,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         matcher = StopStringMatcher(list(request.stop_strings))

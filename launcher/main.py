@@ -83,7 +83,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
         "--no-adaptive-drafting",
         dest="adaptive_drafting",
         action="store_false",
-        help="draft at every step even while drafts keep being rejected",
+        help="draft at every step, even while drafting does not pay for its cost",
     )
     parser.add_argument("--max-concurrent-requests", type=int, default=16)
     parser.add_argument("--max-queued-requests", type=int, default=64)

@@ -5,13 +5,14 @@ equals the target's token at its position, so every emitted token is the target'
 and the output is exactly target-only decoding. The loop walks the tokens of each step one
 by one so that the first stop (stop token, max_new_tokens, context limit) wins and nothing
 after it is emitted. A failing drafter only costs speed: the loop continues target-only.
-With a DraftPacing, steps may carry no drafts while drafts keep failing (pacing.py).
+With a DraftPacing, steps may carry no drafts while drafting does not pay (pacing.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from dflash_serve.speculative.pacing import DraftPacing
@@ -41,6 +42,7 @@ class SpeculativeGeneration:
     num_drafts: int
     max_context_tokens: int
     pacing: DraftPacing | None = None  # None: draft at every step
+    clock: Callable[[], float] = time.perf_counter  # times steps for the pacing
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     drafter_error: BaseException | None = None
@@ -70,6 +72,9 @@ class SpeculativeGeneration:
             budget = min(self.num_drafts, self.stops.max_new_tokens - num_emitted - 1, room)
             # With no budget this is the request's last step: the drafter's context can stay
             # behind. A paced-out step drafts nothing but still feeds the drafter's context.
+            # The first step's time is not a step's cost: it also brings the prompt's context.
+            is_first_step = committed == len(self.prompt_ids)
+            began = self.clock()
             drafts = []
             if budget > 0:
                 is_paced_out = self.pacing is not None and not self.pacing.should_draft()
@@ -77,7 +82,8 @@ class SpeculativeGeneration:
             step = await self.target.verify([anchor, *drafts])
             self.stats.record(len(drafts), self._emitted_drafts(step))
             if self.pacing is not None:
-                self.pacing.record(len(drafts), step.num_accepted)
+                seconds = None if is_first_step else self.clock() - began
+                self.pacing.record(len(drafts), step.num_accepted, seconds)
             committed += step.num_accepted + 1
 
     def _emitted_drafts(self, step) -> int:
