@@ -1,8 +1,9 @@
 """CUDA graphs of the drafter's speculative step: add the committed context, then draft.
 
 One graph per batch size, for full blocks (anchor + 15 drafts: what a speculative step asks
-for unless pacing shortens it) after at most one block's worth of new context; any other
-shape runs the same kernels eagerly, so results are identical either way. The context rows
+for unless pacing shortens it) after at most one block's worth of new context (the engine
+adds any earlier rows eagerly first); any other shape runs the same kernels eagerly, so
+results are identical either way. The context rows
 are padded to `MAX_NEW_CONTEXT`: padding rows land beyond the slot's length, where the
 draft block then overwrites them, so they are never attended. Inputs: an int64 buffer
 [3 + T, B] (slots, context lengths before the step, new context rows, then the block ids by
@@ -19,7 +20,7 @@ from drafter_service.model.context_cache import DrafterContextCache
 from drafter_service.model.dflash import DFlashDrafter
 
 DRAFT_BLOCK_TOKENS = 16
-MAX_NEW_CONTEXT = 16  # a step commits at most a whole verified block
+MAX_NEW_CONTEXT = 16  # a step commits at most a block; more rows are added first
 
 
 class DraftGraphs:

@@ -163,8 +163,9 @@ class DrafterEngine:
 
     def _add_leading_rows(self, slot: int, rows: torch.Tensor) -> torch.Tensor:
         """Add all but the last MAX_NEW_CONTEXT rows now and return the rest: a request's
-        first draft brings its prompt's features (hundreds of rows), which no graph takes, and
-        would otherwise send every request batched with it down the eager path."""
+        first draft brings its prompt's features (hundreds of rows), and a draft after paced-
+        out steps their deferred rows too, more than a graph takes; they would otherwise send
+        every request batched with it down the eager path."""
         if rows.shape[0] <= MAX_NEW_CONTEXT:
             return rows
         split = rows.shape[0] - MAX_NEW_CONTEXT
@@ -187,7 +188,10 @@ class DrafterEngine:
 
     def _with_deferred(self, slot: int, features: torch.Tensor) -> torch.Tensor:
         """The slot's deferred rows, then `features`, on the device; the slot keeps none
-        (call once its request has been checked: the rows are then the cache's to add)."""
+        (call once its request has been checked: the rows are then the cache's to add). A
+        forward that then fails with anything but a DflashError leaves the slot's context
+        undefined, as it did before deferral: the loop stops using the drafter for the request.
+        """
         rows = features.to(self.device)
         deferred = self.deferred.pop(slot, None)
         return rows if deferred is None else torch.cat([*deferred, rows.to(deferred[0].dtype)])

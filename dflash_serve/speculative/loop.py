@@ -72,17 +72,18 @@ class SpeculativeGeneration:
             budget = min(self.num_drafts, self.stops.max_new_tokens - num_emitted - 1, room)
             # With no budget this is the request's last step: the drafter's context can stay
             # behind. A paced-out step drafts nothing but still feeds the drafter's context.
-            # The first step's time is not a step's cost: it also brings the prompt's context.
-            is_first_step = committed == len(self.prompt_ids)
             began = self.clock()
-            drafts = []
-            if budget > 0:
+            drafts, is_timed = [], False
+            if budget > 0 and self.drafter is not None:
                 is_paced_out = self.pacing is not None and not self.pacing.should_draft()
                 drafts = await self._draft(step.features, anchor, 0 if is_paced_out else budget)
+                # A step's cost for the pacing: a drafted or paced-out step of a working
+                # drafter, not the first (it also brings the prompt's context to the drafter).
+                is_timed = self.drafter is not None and committed > len(self.prompt_ids)
             step = await self.target.verify([anchor, *drafts])
             self.stats.record(len(drafts), self._emitted_drafts(step))
             if self.pacing is not None:
-                seconds = None if is_first_step else self.clock() - began
+                seconds = self.clock() - began if is_timed else None
                 self.pacing.record(len(drafts), step.num_accepted, seconds)
             committed += step.num_accepted + 1
 
