@@ -146,10 +146,9 @@ class DrafterEngine:
         self._check_draft(slots, anchor_ids, num_drafts)
         for slot in slots:
             self._check_block_room(slot, 0, num_drafts)
-        no_rows = torch.empty(0, self.feature_dim, device=self.device)
         for slot in slots:
-            if self._num_deferred(slot):
-                self.model.add_context(self.cache, slot, self._with_deferred(slot, no_rows))
+            if slot in self.deferred:
+                self.model.add_context(self.cache, slot, torch.cat(self.deferred.pop(slot)))
         return self._draft_checked(slots, anchor_ids, num_drafts)
 
     def _graph_fits(self, slots: list[int], num_new: list[int], num_drafts: int) -> bool:
