@@ -74,6 +74,7 @@ def compile_instead_of_launch(self: JITFunction, *args, grid, warmup, **kwargs):
 
 def launch_every_variant() -> None:
     """The launches the engines make: each kernel in each of its compiled variants."""
+    from dflash_serve.kernels.attention_inputs import attention_inputs_into_cache
     from dflash_serve.kernels.block_attention import block_attention
     from dflash_serve.kernels.norm_rotary import norm_rotary
     from dflash_serve.kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
@@ -144,6 +145,20 @@ def launch_every_variant() -> None:
         heads = torch.randn(16, 4, head_dim, dtype=torch.bfloat16)
         cos = torch.randn(16, rotary_dim)
         norm_rotary(heads, torch.ones(head_dim), 1e-6, zero_centred, cos, cos)
+    # The 4B drafter's block rows and context rows; Qwen3.5-4B's verify rows (gated queries).
+    for q_heads, q_stride, kv_heads, head_dim, rotary_dim, zero_centred in (
+        (32, 128, 8, 128, 128, False),
+        (0, 128, 8, 128, 128, False),
+        (16, 512, 4, 256, 64, True),
+    ):
+        qkv = torch.randn(2, 16, q_heads * q_stride + 2 * kv_heads * head_dim, dtype=torch.bfloat16)
+        cache = torch.zeros(4, 64, kv_heads, head_dim, dtype=torch.bfloat16)
+        cos = torch.randn(2, 16, rotary_dim)
+        weight = torch.ones(head_dim)
+        attention_inputs_into_cache(
+            qkv, q_heads, weight, weight, 1e-6, zero_centred, cos, cos, cache, cache,
+            torch.tensor([1, 3]), torch.arange(32).reshape(2, 16), query_stride=q_stride,
+        )  # fmt: skip
     for heads, kv_heads, head_dim in ((16, 4, 256), (32, 8, 128)):
         q, key_cache, value_cache, slots, starts = attention_tests.random_problem(
             heads, kv_heads, head_dim, 16, [3, 40]

@@ -122,3 +122,28 @@ def test_row_wise_kernels_compile_one_variant_for_any_row_count():
         return lambda: norm_rotary(x, norm_weight, 1e-6, True, cos, sin)
 
     assert len(distinct_keys(_norm_rotary_kernel, [rotated(t) for t in rows])) == 1
+
+
+def test_drafter_attention_inputs_compile_one_variant_for_any_batch_and_row_count():
+    """Block rows (16 a sequence) and context rows (any count: an eager add, a fused step's
+    16), slot ids a view into the caller's index tensor at any offset."""
+    from dflash_serve.kernels.attention_inputs import (
+        _attention_inputs_kernel,
+        attention_inputs_into_cache,
+    )
+
+    cache = torch.zeros(4, 64, 2, 16, device=DEVICE)
+    weight = torch.ones(16, device=DEVICE)
+
+    def add(batch: int, tokens: int, q_heads: int):
+        qkv = torch.randn(batch, tokens, (q_heads + 4) * 16, device=DEVICE)
+        cos = torch.randn(batch, tokens, 16, device=DEVICE)
+        ids = torch.tensor([[5, 17, 30][:batch], [3, 0, 2][:batch]], device=DEVICE)
+        positions = ids[0].unsqueeze(1) + torch.arange(tokens, device=DEVICE)
+        return lambda: attention_inputs_into_cache(
+            qkv, q_heads, weight, weight, 1e-6, False, cos, cos, cache, cache, ids[1], positions
+        )
+
+    for q_heads in (0, 4):
+        calls = [add(batch, tokens, q_heads) for batch in (1, 2, 3) for tokens in (1, 5, 16, 17)]
+        assert len(distinct_keys(_attention_inputs_kernel, calls)) == 1

@@ -22,6 +22,7 @@ KERNELS = [
     "_add_rms_norm_kernel",
     "_silu_mul_kernel",
     "_norm_rotary_kernel",
+    "_attention_inputs_kernel",
     "_split_attention_kernel",
     "_combine_splits_kernel",
     "_gdn_inputs_kernel",

@@ -45,9 +45,21 @@ def _norm_rotary_kernel(
         x_ptr, w_ptr, row, x_stride_token, x_stride_head, num_heads, eps,
         D, BLOCK, ZERO_CENTRED, INTERPRETED,
     )  # fmt: skip
-    dtype = out_ptr.dtype.element_ty
+    store_rotated(
+        y, out_ptr + row * D, cols, mask, cos_ptr + token * cs_stride_token,
+        sin_ptr + token * cs_stride_token, HALF, INTERPRETED,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_rotated(
+    y, out_row, cols, mask, cos_row, sin_row, HALF: tl.constexpr, INTERPRETED: tl.constexpr
+):
+    """Store one normalised fp32 head `y` at `out_row`, rounded to its dtype, then rotate its
+    first 2·HALF dims in place with this token's cos and sin (`out_row` may be a row of a
+    cache as well as of a plain output)."""
+    dtype = out_row.dtype.element_ty
     normed = round_to(y, dtype, INTERPRETED)
-    out_row = out_ptr + row * D
     tl.store(out_row + cols, normed, mask=mask)
     # The rotation pairs dim c with c ± HALF: read the partner back from this program's own
     # row once every thread's store is visible.
@@ -56,9 +68,8 @@ def _norm_rotary_kernel(
     partner_cols = tl.where(cols < HALF, cols + HALF, cols - HALF)
     partner = tl.load(out_row + partner_cols, mask=is_rotated, other=0.0).to(tl.float32)
     rotate_half = tl.where(cols < HALF, -partner, partner)
-    cs_offsets = token * cs_stride_token + cols
-    cos = tl.load(cos_ptr + cs_offsets, mask=is_rotated, other=0.0)
-    sin = tl.load(sin_ptr + cs_offsets, mask=is_rotated, other=0.0)
+    cos = tl.load(cos_row + cols, mask=is_rotated, other=0.0)
+    sin = tl.load(sin_row + cols, mask=is_rotated, other=0.0)
     cos = round_to(cos, dtype, INTERPRETED).to(tl.float32)
     sin = round_to(sin, dtype, INTERPRETED).to(tl.float32)
     with_cos = round_to(_mul_rn(normed.to(tl.float32), cos, INTERPRETED), dtype, INTERPRETED)

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash_serve.layers.attention import attend_masked
-from dflash_serve.layers.linear import Linear, row_stable_linear
+from dflash_serve.layers.linear import Linear, row_stable_linear, stack_dense_weights
 from dflash_serve.layers.mlp import SwiGLU
 from dflash_serve.layers.norms import RMSNorm
 from dflash_serve.layers.rotary import RotaryEmbedding
@@ -43,6 +44,45 @@ class DrafterAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden)
         self.q_norm = RMSNorm(self.head_dim, eps, zero_centred=False)
         self.k_norm = RMSNorm(self.head_dim, eps, zero_centred=False)
+        self.qkv_weight: torch.Tensor | None = None  # set by stack_projections
+
+    def stack_projections(self) -> None:
+        """The kernel path's projections: q, k and v as one (cuBLAS) matmul over their stacked
+        weights (k and v alone: a view of its tail), feeding `attention_inputs_into_cache`.
+        The linears become views of the stacked weight (no second copy)."""
+        self.qkv_weight = stack_dense_weights([self.q_proj, self.k_proj, self.v_proj])
+
+    def into_cache(
+        self,
+        x: torch.Tensor,
+        cos_sin,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slot_ids: torch.Tensor,
+        positions: torch.Tensor,
+        with_queries: bool,
+    ) -> torch.Tensor | None:
+        """x [B, T, hidden] → keys and values written into one layer's cache [slots, L, …] at
+        (slot_ids[b], positions[b, t]); returns the rotated queries [B, T, heads, head_dim]
+        (None without queries: context rows). One matmul and one kernel (after
+        `stack_projections`)."""
+        from dflash_serve.kernels.attention_inputs import attention_inputs_into_cache
+
+        num_q_heads = self.num_heads if with_queries else 0
+        weight = self.qkv_weight[(self.num_heads - num_q_heads) * self.head_dim :]
+        return attention_inputs_into_cache(
+            F.linear(x, weight),
+            num_q_heads,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.k_norm.eps,
+            self.k_norm.zero_centred,
+            *cos_sin,
+            keys,
+            values,
+            slot_ids,
+            positions,
+        )
 
     def keys_values(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., T, hidden] → rotated keys and values [..., T, kv_heads, head_dim]."""
@@ -83,15 +123,18 @@ class DFlashDrafter(nn.Module):
 
     def use_gpu_kernels(self) -> None:
         """Triton kernels (imported here: a GPU dependency): the block attention over the cache;
-        the norms, each fused with the residual add before it or the rotation after it; the
-        MLP's gate and up as one matmul and silu·up as one kernel. Without them a draft step
-        was ~640 launches, half its time elementwise work. Matmuls stay on cuBLAS: drafts
-        need not be row-independent (the target decides every token)."""
+        the norms, each fused with the residual add before it; q, k and v as one matmul whose
+        heads one kernel normalises, rotates and writes into the cache; the MLP's gate and up
+        as one matmul and silu·up as one kernel. Without them a draft step was ~640 launches,
+        half its time elementwise work. Matmuls stay on cuBLAS: drafts need not be
+        row-independent (the target decides every token)."""
         from dflash_serve.kernels.block_attention import block_attention
 
         self.attention_kernel = block_attention
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, DrafterAttention):
+                module.stack_projections()
+            elif isinstance(module, RMSNorm):
                 module.use_row_kernel()
             elif isinstance(module, SwiGLU):
                 module.stack_gate_up()
@@ -104,6 +147,12 @@ class DFlashDrafter(nn.Module):
         """Append committed tokens' tapped target features [n, taps·hidden] to a slot."""
         start = cache.lengths[slot]
         end = start + features.shape[0]
+        if self.uses_gpu_kernels:  # the fused step's kernels, so both give the same keys
+            slot_ids = torch.tensor([slot], device=features.device)
+            start_ids = torch.tensor([start], device=features.device)
+            self.add_context_on_device(cache, slot_ids, start_ids, features.unsqueeze(0))
+            cache.lengths[slot] = end
+            return
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         positions = torch.arange(start, end, device=features.device)
         cos_sin = self.rotary.cos_sin(positions)
@@ -127,11 +176,11 @@ class DFlashDrafter(nn.Module):
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         positions = block_positions(start_ids, features.shape[1])
         cos_sin = self.rotary.cos_sin(positions)
-        rows = slot_ids.unsqueeze(1)
         for layer_id, layer in enumerate(self.layers):
-            keys, values = layer.self_attn.keys_values(context, cos_sin)
-            cache.keys[layer_id][rows, positions] = keys.to(cache.keys.dtype)
-            cache.values[layer_id][rows, positions] = values.to(cache.values.dtype)
+            keys, values = cache.keys[layer_id], cache.values[layer_id]
+            layer.self_attn.into_cache(
+                context, cos_sin, keys, values, slot_ids, positions, with_queries=False
+            )
 
     def draft_logits(
         self, cache: DrafterContextCache, slots: list[int], block_ids: torch.Tensor
@@ -224,14 +273,10 @@ class DFlashDrafter(nn.Module):
         by position, the next add_context overwrites them); the kernel applies the layer's
         causal and window rules by position."""
         attn = layer.self_attn
-        queries = attn.queries(x, cos_sin)
-        block_keys, block_values = attn.keys_values(x, cos_sin)
         keys, values = cache.keys[layer_id], cache.values[layer_id]
-        rows = slot_ids.unsqueeze(1)
-        keys[rows, positions] = block_keys.to(keys.dtype)
-        values[rows, positions] = block_values.to(values.dtype)
+        queries = attn.into_cache(x, cos_sin, keys, values, slot_ids, positions, with_queries=True)
         out = self.attention_kernel(
-            queries.contiguous(),
+            queries,
             keys,
             values,
             slot_ids,
