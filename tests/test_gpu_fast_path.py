@@ -106,6 +106,37 @@ def test_commit_prefix_then_decode_equals_direct(kernel_model, num_kept):
     assert torch.equal(after, decode(direct, slot, continuation))
 
 
+def test_fused_attention_inputs_give_the_unfused_kernel_path_bit_for_bit(kernel_model, monkeypatch):
+    """Attention layers verify through one q/k/v matmul and one kernel for the norms,
+    rotations and cache writes (`_verify_fused`); the separate launches they replace (still
+    the path where the fused one does not apply) give the same logits, taps and cache."""
+    from target_service.model.gated_attention import GatedAttention
+
+    prompts = [PROMPT, PROMPT[:4]]
+    blocks = [BLOCK, BLOCK[::-1]]
+    calls = []
+    verify_fused = GatedAttention._verify_fused
+    monkeypatch.setattr(
+        GatedAttention, "_verify_fused", lambda *args: calls.append(1) or verify_fused(*args)
+    )
+    runs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(GatedAttention, "_verifies_fused", lambda *args: False)
+        calls.clear()
+        engine = new_engine(kernel_model)
+        slots = [engine.open_sequence() for _ in prompts]
+        for slot, prompt in zip(slots, prompts, strict=True):
+            engine.prefill(slot, prompt)
+        result = engine.verify(slots, blocks)
+        engine.commit(slots[0], 5)
+        after = decode(engine, slots[0], [9, 19])
+        assert bool(calls) == fused
+        runs[fused] = (result.logits, result.taps, after, engine.state.key_cache.clone())
+    for fused_part, unfused_part in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(fused_part, unfused_part)
+
+
 def test_batched_sequences_equal_each_alone(kernel_model):
     prompts = [PROMPT, PROMPT[:4], [*PROMPT, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
     blocks = [BLOCK, BLOCK[::-1], [(t * 5) % 256 for t in BLOCK]]

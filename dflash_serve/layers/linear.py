@@ -156,6 +156,22 @@ class RowKernelGroup:
     def accepts(self, x: torch.Tensor) -> bool:
         return fits_row_kernel(x, self.max_kernel_rows)
 
+    @property
+    def is_one_matmul(self) -> bool:
+        """Whether all members are of one kind, so `stacked` gives their outputs side by side."""
+        return len(self.calls) == 1
+
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] → the members' outputs side by side [..., ΣN_i], in the order given, from
+        one matmul (needs `is_one_matmul`)."""
+        from dflash_serve.kernels.row_matmul import row_matmul
+
+        if not self.is_one_matmul:
+            raise ValueError("stacked: the group's linears are of more than one kind")
+        _indices, weight, _sizes = self.calls[0]
+        out = row_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [..., K] → each linear's output [..., N_i], in the order given (possibly views)."""
         from dflash_serve.kernels.row_matmul import row_matmul

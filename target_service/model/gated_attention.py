@@ -55,6 +55,8 @@ class GatedAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         num_seqs, num_tokens, _ = x.shape
+        if self._verifies_fused(x, batch, state):
+            return self._verify_fused(x, batch, state, cos_sin)
         if self.qkv_projs is not None and self.qkv_projs.accepts(x):
             projected_q, projected_k, projected_v = self.qkv_projs(x)
         else:
@@ -72,6 +74,53 @@ class GatedAttention(nn.Module):
         else:
             attn = self._attend_each_sequence(q, k, v, batch, state)
         return self.o_proj(attn * sigmoid(gate.reshape(num_seqs, num_tokens, -1)))
+
+    def _verifies_fused(self, x: torch.Tensor, batch: ForwardBatch, state: TargetState) -> bool:
+        """Whether this call takes `_verify_fused`: a verify/decode call on the kernel path whose
+        q, k and v come from one matmul and whose cache holds the activations' dtype."""
+        return (
+            batch.is_verify
+            and self.attention_kernel is not None
+            and self.qkv_projs is not None
+            and self.qkv_projs.is_one_matmul
+            and self.qkv_projs.accepts(x)
+            and state.key_cache.dtype == x.dtype
+        )
+
+    def _verify_fused(self, x, batch: ForwardBatch, state: TargetState, cos_sin) -> torch.Tensor:
+        """`forward` on the verify path in fewer launches, bit for bit: one matmul for q, k and
+        v, one kernel for the q/k norms and rotations and the cache writes (the query heads,
+        each followed by its gate, read with a stride of 2·head_dim), the attention kernel,
+        then the gated output projection. Only device tensors of the batch are read, so a CUDA
+        graph of this replays."""
+        from dflash_serve.kernels.attention_inputs import attention_inputs_into_cache
+
+        num_seqs, num_tokens, _ = x.shape
+        qkv = self.qkv_projs.stacked(x)
+        slots = batch.slot_index(x.device)
+        key_cache = state.key_cache[self.attn_index]
+        value_cache = state.value_cache[self.attn_index]
+        q = attention_inputs_into_cache(
+            qkv,
+            self.num_heads,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.k_norm.eps,
+            self.k_norm.zero_centred,
+            *cos_sin,
+            key_cache,
+            value_cache,
+            slots,
+            batch.positions(x.device),
+            query_stride=2 * self.head_dim,
+        )
+        out = self.attention_kernel(
+            q, key_cache, value_cache, slots, batch.start_index(x.device), self.scale
+        )
+        query_and_gate = qkv[..., : self.num_heads * 2 * self.head_dim]
+        per_head = query_and_gate.reshape(num_seqs, num_tokens, self.num_heads, 2 * self.head_dim)
+        gate = per_head[..., self.head_dim :].reshape(num_seqs, num_tokens, -1)
+        return self.o_proj(out.reshape(num_seqs, num_tokens, -1) * sigmoid(gate))
 
     def _prefill_together(self, q, k, v, batch: ForwardBatch, state: TargetState):
         """Sequences at the same start position (training, equal-length prompts): one call."""
