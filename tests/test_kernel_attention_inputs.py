@@ -26,7 +26,9 @@ SLOTS, CACHE_LEN = 4, 40
 SHAPES = [(4, 2, 128, 128), (0, 2, 64, 64), (3, 1, 96, 32)]
 
 
-def _problem(num_q_heads, num_kv_heads, dim, rotary_dim, dtype, seed, batch=3, tokens=5):
+def _problem(
+    num_q_heads, num_kv_heads, dim, rotary_dim, dtype, seed, batch=3, tokens=5, zero_centred=False
+):
     gen = torch.Generator().manual_seed(seed)
     width = (num_q_heads + 2 * num_kv_heads) * dim
     qkv = torch.randn((batch, tokens, width), generator=gen) * 3
@@ -43,7 +45,7 @@ def _problem(num_q_heads, num_kv_heads, dim, rotary_dim, dtype, seed, batch=3, t
         q_weight=q_weight.to(DEVICE, dtype) if num_q_heads else None,
         k_weight=k_weight.to(DEVICE, dtype),
         eps=EPS,
-        zero_centred=False,
+        zero_centred=zero_centred,
         cos=cos.to(**on_device),
         sin=sin.to(**on_device),
         keys=cache[0].to(DEVICE, dtype).contiguous(),
@@ -69,10 +71,11 @@ def _two_steps(p):
     return norm_rotary(q, p["q_weight"], *args) if p["num_q_heads"] else None
 
 
+@pytest.mark.parametrize("zero_centred", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_equals_norm_rotary_then_indexed_writes(shape, dtype):
-    problem = _problem(*shape, dtype, seed=shape[2])
+def test_equals_norm_rotary_then_indexed_writes(shape, dtype, zero_centred):
+    problem = _problem(*shape, dtype, seed=shape[2], zero_centred=zero_centred)
     before = problem["keys"].clone()
     fused, expected = _copy(problem), _copy(problem)
     queries = attention_inputs_into_cache(**fused)
@@ -87,12 +90,19 @@ def test_equals_norm_rotary_then_indexed_writes(shape, dtype):
     assert not torch.equal(fused["keys"], before)  # (the test writes something)
 
 
+# (query heads, kv heads, head_dim, rotary_dim): a small one, Qwen3.5-4B's attention layers.
+GATED_SHAPES = [(4, 2, 64, 16), (16, 4, 256, 64)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_query_heads_interleaved_with_gates_are_read_with_their_stride(dtype):
+@pytest.mark.parametrize("shape", GATED_SHAPES)
+def test_query_heads_interleaved_with_gates_are_read_with_their_stride(shape, dtype):
     """Qwen3.5: each query head is followed by its gate (query_stride 2·D); the gates are
-    not read, and the queries equal norm_rotary of the strided view."""
-    num_q_heads, num_kv_heads, dim = 4, 2, 64
-    problem = _problem(2 * num_q_heads, num_kv_heads, dim, 16, dtype, seed=11)
+    not read, and the queries equal norm_rotary of the strided view (zero-centred norms)."""
+    num_q_heads, num_kv_heads, dim, rotary_dim = shape
+    problem = _problem(
+        2 * num_q_heads, num_kv_heads, dim, rotary_dim, dtype, seed=11, zero_centred=True
+    )
     qkv = problem["qkv"]
     query_and_gate = qkv[..., : 2 * num_q_heads * dim].reshape(3, 5, num_q_heads, 2 * dim)
     q = query_and_gate[..., :dim]
@@ -105,7 +115,7 @@ def test_query_heads_interleaved_with_gates_are_read_with_their_stride(dtype):
     assert torch.equal(queries, expected_queries)
     assert torch.equal(strided["keys"], expected["keys"])
     assert torch.equal(strided["values"], expected["values"])
-    args = (problem["eps"], False, problem["cos"], problem["sin"])
+    args = (problem["eps"], True, problem["cos"], problem["sin"])
     assert torch.equal(queries, norm_rotary(q, problem["q_weight"], *args))
     plain = _copy(problem) | {"num_q_heads": num_q_heads}
     plain_queries = attention_inputs_into_cache_reference(**plain, query_stride=2 * dim)
@@ -152,6 +162,7 @@ def test_a_sequence_alone_gets_the_bits_it_gets_in_a_batch():
         ({"q_weight": None}, "q_weight"),
         ({"cos": torch.zeros(3, 5, 127)}, "cos and sin"),
         ({"query_stride": 64}, "query_stride"),
+        ({"k_weight": torch.ones(64)}, "k_weight"),
     ],
 )
 def test_bad_inputs_are_refused(change, match):

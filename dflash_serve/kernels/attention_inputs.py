@@ -98,9 +98,11 @@ def attention_inputs_into_cache(
     values only); q_weight,
     k_weight: the per-head norms' weights [D]; cos, sin: fp32 [B, T, ROT]; keys, values:
     one layer's cache [slots, L, Hkv, D], x's dtype, contiguous; slot_ids: int64 [B];
-    positions: int64 [B, T], every one < L. Row (b, t)'s normalised, rotated key heads go to
+    positions: int64 [B, T]. Row (b, t)'s normalised, rotated key heads go to
     keys[slot_ids[b], positions[b, t]] and its value heads to values[...]. Returns the
-    normalised, rotated queries [B, T, Hq, D] (None if Hq is 0). No host synchronisation.
+    normalised, rotated queries [B, T, Hq, D] (None if Hq is 0). No host synchronisation,
+    so slot ids and positions are NOT checked: the caller keeps them in range (slots below
+    the cache's, positions below L; a position >= L would write into the next slot's rows).
     """
     num_kv_heads, dim = keys.shape[-2:]
     query_stride = dim if query_stride is None else query_stride
@@ -119,6 +121,8 @@ def attention_inputs_into_cache(
         raise ValueError(f"cos and sin must be float32, got {cos.dtype} and {sin.dtype}")
     if num_q_heads and q_weight is None:
         raise ValueError("q_weight is needed when there are query heads")
+    _check_devices(qkv, q_weight if num_q_heads else None, k_weight, cos, sin, keys, values,
+                   slot_ids, positions)  # fmt: skip
     queries = None
     if num_q_heads:
         queries = torch.empty((batch, tokens, num_q_heads, dim), dtype=qkv.dtype, device=qkv.device)
@@ -182,3 +186,18 @@ def _check_shapes(qkv, q_width, keys, values, slot_ids, positions) -> tuple[int,
     if slot_ids.dtype != torch.int64 or positions.dtype != torch.int64:
         raise ValueError("slot_ids and positions must be int64")
     return batch, tokens
+
+
+def _check_devices(qkv, q_weight, k_weight, *tensors) -> None:
+    """The norms' weights: float [D]; every tensor on qkv's device."""
+    dim = tensors[-4].shape[-1]  # keys [slots, L, kv_heads, D]
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if weight is None:
+            continue
+        if weight.shape != (dim,) or not weight.is_floating_point():
+            raise ValueError(f"{name} must be a float [{dim}] tensor, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")  # fmt: skip
+        tensors = (*tensors, weight)
+    devices = {tensor.device for tensor in tensors}
+    if devices != {qkv.device}:
+        raise ValueError(f"every tensor must be on qkv's device {qkv.device}, got {devices}")
