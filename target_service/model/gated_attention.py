@@ -56,15 +56,25 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         num_seqs, num_tokens, _ = x.shape
         if self._verifies_fused(x, batch, state):
-            return self._verify_fused(x, batch, state, cos_sin)
+            projected_q, attn = self._verify_fused(x, batch, state, cos_sin)
+        else:
+            projected_q, attn = self._project_and_attend(x, batch, state, cos_sin)
+        per_head = projected_q.reshape(num_seqs, num_tokens, self.num_heads, 2 * self.head_dim)
+        gate = per_head[..., self.head_dim :].reshape(num_seqs, num_tokens, -1)
+        return self.o_proj(attn * sigmoid(gate))
+
+    def _project_and_attend(self, x, batch: ForwardBatch, state: TargetState, cos_sin):
+        """The projections, the q/k norms and rotations, then attention by the batch's kind →
+        (the query-and-gate projection [B, T, heads·2·head_dim], the attention output
+        [B, T, heads·head_dim])."""
+        num_seqs, num_tokens, _ = x.shape
         if self.qkv_projs is not None and self.qkv_projs.accepts(x):
             projected_q, projected_k, projected_v = self.qkv_projs(x)
         else:
             projected_q, projected_k, projected_v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         per_head = projected_q.reshape(num_seqs, num_tokens, self.num_heads, 2 * self.head_dim)
-        q, gate = per_head.chunk(2, dim=-1)
         kv_shape = (num_seqs, num_tokens, self.num_kv_heads, self.head_dim)
-        q = self.q_norm.norm_and_rotate(q, cos_sin)
+        q = self.q_norm.norm_and_rotate(per_head[..., : self.head_dim], cos_sin)
         k = self.k_norm.norm_and_rotate(projected_k.reshape(kv_shape), cos_sin)
         v = projected_v.reshape(kv_shape)
         if batch.is_verify and self.attention_kernel is not None:
@@ -73,7 +83,7 @@ class GatedAttention(nn.Module):
             attn = self._prefill_together(q, k, v, batch, state)
         else:
             attn = self._attend_each_sequence(q, k, v, batch, state)
-        return self.o_proj(attn * sigmoid(gate.reshape(num_seqs, num_tokens, -1)))
+        return projected_q, attn
 
     def _verifies_fused(self, x: torch.Tensor, batch: ForwardBatch, state: TargetState) -> bool:
         """Whether this call takes `_verify_fused`: a verify/decode call on the kernel path whose
@@ -88,19 +98,16 @@ class GatedAttention(nn.Module):
             and self.q_norm.eps == self.k_norm.eps  # (one eps for both in the kernel)
         )
 
-    def _verify_fused(self, x, batch: ForwardBatch, state: TargetState, cos_sin) -> torch.Tensor:
-        """`forward` on the verify path in fewer launches, bit for bit: one matmul for q, k and
-        v, one kernel for the q/k norms and rotations and the cache writes (the query heads,
-        each followed by its gate, read with a stride of 2·head_dim), the attention kernel,
-        then the gated output projection. Only device tensors of the batch are read, so a CUDA
-        graph of this replays."""
+    def _verify_fused(self, x, batch: ForwardBatch, state: TargetState, cos_sin):
+        """`_project_and_attend` on the verify path in fewer launches, bit for bit: one matmul
+        for q, k and v, one kernel for the q/k norms and rotations and the cache writes (the
+        query heads, each followed by its gate, read with a stride of 2·head_dim), then the
+        attention kernel. Only device tensors of the batch are read, so a CUDA graph of this
+        replays."""
         from dflash_serve.kernels.attention_inputs import attention_inputs_into_cache
 
-        num_seqs, num_tokens, _ = x.shape
         qkv = self.qkv_projs.stacked(x)
         slots = batch.slot_index(x.device)
-        key_cache = state.key_cache[self.attn_index]
-        value_cache = state.value_cache[self.attn_index]
         q = attention_inputs_into_cache(
             qkv,
             self.num_heads,
@@ -109,19 +116,14 @@ class GatedAttention(nn.Module):
             self.k_norm.eps,
             self.k_norm.zero_centred,
             *cos_sin,
-            key_cache,
-            value_cache,
+            state.key_cache[self.attn_index],
+            state.value_cache[self.attn_index],
             slots,
             batch.positions(x.device),
             query_stride=2 * self.head_dim,
         )
-        out = self.attention_kernel(
-            q, key_cache, value_cache, slots, batch.start_index(x.device), self.scale
-        )
-        query_and_gate = qkv[..., : self.num_heads * 2 * self.head_dim]
-        per_head = query_and_gate.reshape(num_seqs, num_tokens, self.num_heads, 2 * self.head_dim)
-        gate = per_head[..., self.head_dim :].reshape(num_seqs, num_tokens, -1)
-        return self.o_proj(out.reshape(num_seqs, num_tokens, -1) * sigmoid(gate))
+        projected_q = qkv[..., : self.num_heads * 2 * self.head_dim]
+        return projected_q, self._attend_cache(q, slots, batch, state)
 
     def _prefill_together(self, q, k, v, batch: ForwardBatch, state: TargetState):
         """Sequences at the same start position (training, equal-length prompts): one call."""
@@ -140,17 +142,26 @@ class GatedAttention(nn.Module):
 
     def _verify_with_kernel(self, q, k, v, batch: ForwardBatch, state: TargetState):
         """Only device tensors of the batch are read, so a CUDA graph of this replays."""
-        num_seqs, num_tokens = q.shape[:2]
         slots = batch.slot_index(q.device)
         key_cache = state.key_cache[self.attn_index]
         value_cache = state.value_cache[self.attn_index]
         rows, positions = slots.unsqueeze(1), batch.positions(q.device)
         key_cache[rows, positions] = k.to(key_cache.dtype)
         value_cache[rows, positions] = v.to(value_cache.dtype)
+        return self._attend_cache(q.contiguous(), slots, batch, state)
+
+    def _attend_cache(self, q, slots, batch: ForwardBatch, state: TargetState) -> torch.Tensor:
+        """The attention kernel: queries [B, T, heads, head_dim] over the layer's cache, the
+        block's keys and values already in it → [B, T, heads·head_dim]."""
         out = self.attention_kernel(
-            q.contiguous(), key_cache, value_cache, slots, batch.start_index(q.device), self.scale
+            q,
+            state.key_cache[self.attn_index],
+            state.value_cache[self.attn_index],
+            slots,
+            batch.start_index(q.device),
+            self.scale,
         )
-        return out.reshape(num_seqs, num_tokens, -1)
+        return out.reshape(*q.shape[:2], -1)
 
     def _attend_each_sequence(self, q, k, v, batch: ForwardBatch, state: TargetState):
         num_seqs, num_tokens = q.shape[:2]
