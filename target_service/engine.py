@@ -184,17 +184,35 @@ class TargetEngine:
             raise
 
     def _prefill_in_chunks(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
+        """Eager forwards of `prefill_chunk_tokens` tokens. Every chunk's token ids, slot and
+        start position reach the device in one copy before the first forward, and the layers
+        read them there: on a GPU each copy from a Python list made the host wait for all
+        queued work, so per chunk (and per layer) the host stopped queueing the next kernels
+        while the GPU ran, and the two took turns instead of overlapping."""
+        size, num_ids = self.prefill_chunk_tokens, len(prompt_ids)
+        chunk_starts = range(0, num_ids, size)
+        first = self.state.lengths[slot]
+        packed = [*prompt_ids, slot, *(first + start for start in chunk_starts)]
+        on_device = torch.tensor(packed, dtype=torch.int64).to(self.device, non_blocking=True)
+        all_ids, slot_ids, start_ids = on_device.split([num_ids, 1, len(chunk_starts)])
         taps = []
         hidden = None
-        for start in range(0, len(prompt_ids), self.prefill_chunk_tokens):
-            chunk = prompt_ids[start : start + self.prefill_chunk_tokens]
-            batch = ForwardBatch((slot,), (self.state.lengths[slot],), len(chunk), is_verify=False)
-            ids = torch.tensor([chunk], device=self.device)
+        for index, start in enumerate(chunk_starts):
+            num_tokens = min(size, num_ids - start)
+            batch = ForwardBatch(
+                (slot,),
+                (self.state.lengths[slot],),
+                num_tokens,
+                is_verify=False,
+                slot_ids=slot_ids,
+                start_ids=start_ids[index : index + 1],
+            )
+            ids = all_ids[start : start + num_tokens].unsqueeze(0)
             hidden, tapped = self.model(ids, batch, self.state, self.tap_layer_ids)
             if tapped is not None:
                 taps.append(tapped[0])
                 self._share(slot, self.state.lengths[slot], tapped[0])
-            self.state.lengths[slot] += len(chunk)
+            self.state.lengths[slot] += num_tokens
         last_logits = self.model.logits(hidden[0, -1])
         return PrefillResult(last_logits, torch.cat(taps) if taps else None)
 

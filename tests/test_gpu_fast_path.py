@@ -329,6 +329,27 @@ def test_short_prompts_prefill_as_graph_verify_blocks(kernel_model):
     assert torch.equal(chunked.taps, plain.taps)
 
 
+@needs_gpu
+@pytest.mark.gpu
+def test_chunked_prefill_never_makes_the_host_wait_for_the_gpu(kernel_model):
+    """An eager prefill in several chunks queues all its work without a host synchronisation
+    (each one held the host until the GPU drained, so the two took turns), and gives the
+    bits of the same prefill run with synchronisations allowed."""
+    engine = new_engine(kernel_model, prefill_chunk_tokens=8)
+    prompt = PROMPT * 3  # 33 tokens: five chunks, the last one short
+    expected = engine.prefill(engine.open_sequence(), prompt)  # first calls compile kernels
+    slot = engine.open_sequence()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = engine.prefill(slot, prompt)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(result.last_logits, expected.last_logits)
+    assert torch.equal(result.taps, expected.taps)
+    assert engine.state.lengths[slot] == len(prompt)
+
+
 def serve_a_mix(engine):
     """Steps as concurrent sessions produce them: a batch with partly rejected blocks, a
     single partly rejected block, a long prompt. Returns the logits seen."""
