@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dflash_serve.layers.activations import sigmoid
-from dflash_serve.layers.attention import attend_each_query, attend_masked
+from dflash_serve.layers.attention import attend_causal, attend_each_query
 from dflash_serve.layers.linear import Linear, RowKernelGroup
 from dflash_serve.layers.norms import RMSNorm
 from dflash_serve.qwen35_config import Qwen35TextConfig
@@ -136,8 +136,7 @@ class GatedAttention(nn.Module):
         key_cache[slots, start:end] = k.to(key_cache.dtype)
         value_cache[slots, start:end] = v.to(value_cache.dtype)
         keys, values = key_cache[slots, :end], value_cache[slots, :end]
-        visible = causal_visibility(start, num_tokens, q.device)
-        out = attend_masked(q, keys, values, visible, self.scale)
+        out = attend_causal(q, keys, values, self.scale)
         return out.reshape(num_seqs, num_tokens, -1)
 
     def _verify_with_kernel(self, q, k, v, batch: ForwardBatch, state: TargetState):
@@ -180,12 +179,4 @@ class GatedAttention(nn.Module):
         if is_verify:
             ranges = [(0, start + t + 1) for t in range(num_tokens)]
             return attend_each_query(q, keys, values, ranges, self.scale)
-        visible = causal_visibility(start, num_tokens, q.device)
-        return attend_masked(q, keys, values, visible, self.scale)
-
-
-def causal_visibility(start: int, num_tokens: int, device) -> torch.Tensor:
-    """bool [T, start + T]: new token t (at position start + t) sees keys 0..start + t."""
-    key_pos = torch.arange(start + num_tokens, device=device)
-    query_pos = torch.arange(start, start + num_tokens, device=device)
-    return key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        return attend_causal(q[None], keys[None], values[None], self.scale)[0]
