@@ -186,7 +186,7 @@ def build_target(
         model.use_gpu_kernels(max_slots * BLOCK, int4_reads)
         graph_batch_sizes = tuple(range(1, max_slots + 1))
     shape = StateShape(max_slots, max_len)
-    return TargetEngine(model, shape, taps, 2048, graph_batch_sizes=graph_batch_sizes)
+    return TargetEngine(model, shape, taps, graph_batch_sizes=graph_batch_sizes)
 
 
 def build_drafter(
