@@ -87,7 +87,7 @@ def launch_every_variant() -> None:
     )
     from dflash_serve.kernels.silu_mul import silu_mul
     from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
-    from target_service.kernels.gdn_inputs import prepare_gdn_inputs
+    from target_service.kernels.gdn_inputs import prepare_gdn_inputs, prepare_gdn_prefill_inputs
     from tests import test_kernel_block_attention as attention_tests
     from tests import test_kernel_gated_delta_recurrence as recurrence_tests
     from tests import test_kernel_gdn_inputs as gdn_tests
@@ -168,6 +168,7 @@ def launch_every_variant() -> None:
                             window=window)  # fmt: skip
     inputs = gdn_tests.make_inputs(2, 16, torch.bfloat16, seed=0)
     prepare_gdn_inputs(**inputs, **gdn_tests.make_outputs(inputs))
+    gdn_tests.run_prefill(prepare_gdn_prefill_inputs, inputs)  # no block record
     q, k_, v, g, beta, pool = recurrence_tests.make_inputs(2, 16, 2, 4, 128, 128, torch.bfloat16, 0)
     slots = torch.tensor([1, 3])
     recurrent_gated_delta(q, k_, v, g, beta, pool, pool, slots, out=torch.empty(v.shape))

@@ -14,7 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from target_service.kernels.gdn_inputs import prepare_gdn_inputs, prepare_gdn_inputs_reference
+from target_service.kernels.gdn_inputs import (
+    prepare_gdn_inputs,
+    prepare_gdn_inputs_reference,
+    prepare_gdn_prefill_inputs,
+    prepare_gdn_prefill_inputs_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_SLOTS, MAX_TOKENS, WIDTH = 4, 16, 4
@@ -78,6 +83,16 @@ def run(fn, inputs, pool_dtype=None):
     return outputs
 
 
+PREFILL_OUTPUTS = ("conv_out", "decay", "beta")
+
+
+def run_prefill(fn, inputs):
+    """The prefill variant: no key_dim, no block pools; returns its three outputs."""
+    outputs = {name: make_outputs(inputs)[name] for name in PREFILL_OUTPUTS}
+    fn(**{name: x for name, x in inputs.items() if name != "key_dim"}, **outputs)
+    return outputs
+
+
 def naive(conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots, key_dim):
     """(conv_out rounded to conv_inputs' dtype, decay, beta), token by token and tap by tap."""
     x, weight = conv_inputs.float(), conv_weight.float()
@@ -106,6 +121,15 @@ def assert_within_ulps(actual, expected):
     ulp = (torch.nextafter(expected.abs(), inf) - expected.abs()).float()
     gap = (actual.float() - expected.float()).abs()
     assert (gap <= max_ulps * ulp).all(), f"max gap {gap.max()} (in ulps: {(gap / ulp).max()})"
+
+
+def check_conv_and_gates(inputs, outputs):
+    """conv_out, decay and beta (on any device) against the naive oracle on the CPU."""
+    cpu = {name: x.cpu() if torch.is_tensor(x) else x for name, x in inputs.items()}
+    conv_out, decay, beta = naive(**cpu)
+    assert_within_ulps(outputs["conv_out"].cpu(), conv_out)
+    torch.testing.assert_close(outputs["decay"].cpu(), decay, rtol=1e-6, atol=0)
+    torch.testing.assert_close(outputs["beta"].cpu(), beta, rtol=1e-6, atol=0)
 
 
 def check_against_naive(inputs, outputs, pool_dtype=None):
@@ -237,6 +261,25 @@ def test_bad_arguments_raise_value_error_naming_them(fn, name):
         fn(**_bad(name))
 
 
+@pytest.mark.parametrize("fn", [prepare_gdn_prefill_inputs, prepare_gdn_prefill_inputs_reference])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_variant_matches_naive_on_chunks_longer_than_a_block(fn, dtype):
+    inputs = make_inputs(2, 3 * MAX_TOKENS - 5, dtype, seed=21, slots=[3, 1])
+    states = inputs["conv_states"].clone()
+    outputs = run_prefill(fn, inputs)
+    check_conv_and_gates(inputs, outputs)
+    assert torch.equal(inputs["conv_states"], states)  # the caller advances it
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_variant_gives_the_verify_variants_bits(dtype):
+    inputs = make_inputs(3, MAX_TOKENS, dtype, seed=5, slots=[2, 0, 3])
+    verify = run(prepare_gdn_inputs, inputs)
+    prefill = run_prefill(prepare_gdn_prefill_inputs, inputs)
+    for name in PREFILL_OUTPUTS:
+        assert torch.equal(prefill[name], verify[name]), name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_qwen35_4b_shapes_on_gpu():
@@ -244,11 +287,7 @@ def test_qwen35_4b_shapes_on_gpu():
     inputs = make_inputs(8, 16, torch.bfloat16, seed=10, key_dim=2048, value_dim=4096,
                          heads=32, num_slots=8, slots=slots, device="cuda")  # fmt: skip
     outputs = run(prepare_gdn_inputs, inputs)
-    cpu = {name: x.cpu() if torch.is_tensor(x) else x for name, x in inputs.items()}
-    conv_out, decay, beta = naive(**cpu)
-    assert_within_ulps(outputs["conv_out"].cpu(), conv_out)
-    torch.testing.assert_close(outputs["decay"].cpu(), decay, rtol=1e-6, atol=0)
-    torch.testing.assert_close(outputs["beta"].cpu(), beta, rtol=1e-6, atol=0)
+    check_conv_and_gates(inputs, outputs)
     check_block_equals_chained(inputs)
     check_row_alone_equals_batched(inputs)
 
@@ -259,3 +298,23 @@ def test_qwen35_4b_shapes_on_gpu():
     graph.replay()
     for name, tensor in outputs.items():
         assert torch.equal(captured[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    "name", [name for name in _bad("a") if name != "key_dim" and not name.startswith("block_")]
+)
+@pytest.mark.parametrize("fn", [prepare_gdn_prefill_inputs, prepare_gdn_prefill_inputs_reference])
+def test_prefill_variant_bad_arguments_raise_value_error_naming_them(fn, name):
+    args = _bad(name)
+    args = {key: x for key, x in args.items() if key != "key_dim" and not key.startswith("block_")}
+    with pytest.raises(ValueError, match=rf"^{name} "):
+        fn(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefill_variant_at_qwen35_4b_shapes_on_gpu():
+    inputs = make_inputs(1, 300, torch.bfloat16, seed=11, key_dim=2048, value_dim=4096,
+                         heads=32, num_slots=3, slots=[2], device="cuda")  # fmt: skip
+    outputs = run_prefill(prepare_gdn_prefill_inputs, inputs)
+    check_conv_and_gates(inputs, outputs)

@@ -46,4 +46,6 @@ class SwiGLU(nn.Module):
         if self.gate_up_weight is not None:
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
             return self.down_proj(self.silu_mul(gate, up))
+        if self.silu_mul is not None:  # rows beyond the row kernels' (the target's prefill)
+            return self.down_proj(self.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))

@@ -12,6 +12,8 @@ launch. Per sequence b, token t and channel c, with W the conv width:
 and the block record at [slots[b], t]: the pre-conv input, the k and v channels of conv_out
 (exactly the rounded values, as fp32, so a replay sees what the verify saw), decay and beta.
 The conv state itself is left alone: `commit` advances it by the tokens it keeps.
+`prepare_gdn_prefill_inputs` is the same launch without the block record, for a prefill
+chunk of any length (there some 20 torch kernels per layer each streamed the whole chunk).
 
 Row independence: one program computes one token's channel block from loads alone, nothing is
 shared between programs, FMA contraction is off, and the block sizes and warps depend on C and
@@ -91,7 +93,7 @@ def _gdn_inputs_kernel(
     stride_rec_beta_s, stride_rec_beta_t,
     C: tl.constexpr, KEY_DIM: tl.constexpr, HV: tl.constexpr, W: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, THRESHOLD: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    RECORD: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     seq = row // T
@@ -115,15 +117,16 @@ def _gdn_inputs_kernel(
     out = round_to(conv * _sigmoid(conv, INTERPRETED), out_ptr.dtype.element_ty, INTERPRETED)
     tl.store(out_ptr + seq * stride_out_b + t * stride_out_t + cols, out, mask=mask)
 
-    x = tl.load(x_at + t * stride_x_t, mask=mask).to(tl.float32)
-    rec_x = round_to(x, rec_x_ptr.dtype.element_ty, INTERPRETED)
-    tl.store(rec_x_ptr + slot * stride_rec_x_s + t * stride_rec_x_t + cols, rec_x, mask=mask)
-    out = out.to(tl.float32)
-    is_key = (cols >= KEY_DIM) & (cols < 2 * KEY_DIM)
-    rec_k_at = rec_k_ptr + slot * stride_rec_k_s + t * stride_rec_k_t + (cols - KEY_DIM)
-    tl.store(rec_k_at, out, mask=mask & is_key)
-    rec_v_at = rec_v_ptr + slot * stride_rec_v_s + t * stride_rec_v_t + (cols - 2 * KEY_DIM)
-    tl.store(rec_v_at, out, mask=mask & (cols >= 2 * KEY_DIM))
+    if RECORD:
+        x = tl.load(x_at + t * stride_x_t, mask=mask).to(tl.float32)
+        rec_x = round_to(x, rec_x_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(rec_x_ptr + slot * stride_rec_x_s + t * stride_rec_x_t + cols, rec_x, mask=mask)
+        out = out.to(tl.float32)
+        is_key = (cols >= KEY_DIM) & (cols < 2 * KEY_DIM)
+        rec_k_at = rec_k_ptr + slot * stride_rec_k_s + t * stride_rec_k_t + (cols - KEY_DIM)
+        tl.store(rec_k_at, out, mask=mask & is_key)
+        rec_v_at = rec_v_ptr + slot * stride_rec_v_s + t * stride_rec_v_t + (cols - 2 * KEY_DIM)
+        tl.store(rec_v_at, out, mask=mask & (cols >= 2 * KEY_DIM))
 
     if tl.program_id(1) == 0:
         heads = tl.arange(0, BLOCK_H)
@@ -139,10 +142,11 @@ def _gdn_inputs_kernel(
         beta = _sigmoid(b.to(tl.float32), INTERPRETED)
         tl.store(decay_ptr + seq * stride_decay_b + t * stride_decay_t + heads, decay, mask=mask_h)
         tl.store(beta_ptr + seq * stride_beta_b + t * stride_beta_t + heads, beta, mask=mask_h)
-        rec_decay_at = rec_decay_ptr + slot * stride_rec_decay_s + t * stride_rec_decay_t
-        tl.store(rec_decay_at + heads, decay, mask=mask_h)
-        rec_beta_at = rec_beta_ptr + slot * stride_rec_beta_s + t * stride_rec_beta_t
-        tl.store(rec_beta_at + heads, beta, mask=mask_h)
+        if RECORD:
+            rec_decay_at = rec_decay_ptr + slot * stride_rec_decay_s + t * stride_rec_decay_t
+            tl.store(rec_decay_at + heads, decay, mask=mask_h)
+            rec_beta_at = rec_beta_ptr + slot * stride_rec_beta_s + t * stride_rec_beta_t
+            tl.store(rec_beta_at + heads, beta, mask=mask_h)
 
 
 def prepare_gdn_inputs(
@@ -177,24 +181,57 @@ def prepare_gdn_inputs(
     Nothing else is written. No host sync, no allocation: safe to capture in a CUDA graph.
     """
     _check_arguments(**locals())
+    records = (block_conv_inputs, block_keys, block_values, block_decays, block_betas)
+    _launch(conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots, conv_out, decay,
+            beta, records, key_dim)  # fmt: skip
+
+
+def prepare_gdn_prefill_inputs(
+    conv_inputs: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_states: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    slots: torch.Tensor,
+    conv_out: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+) -> None:
+    """`prepare_gdn_inputs` for a prefill chunk of any length: the same conv + SiLU and gates,
+    bit for bit, and no block record (prefill commits as it goes; the caller advances the conv
+    state after this call, which reads it). Arguments as there."""
+    _check_conv_and_gates(**locals())
+    _launch(conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots, conv_out, decay,
+            beta, None, 0)  # fmt: skip
+
+
+def _launch(
+    conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots, conv_out, decay, beta,
+    records, key_dim,
+):  # fmt: skip
+    """The kernel over B·T rows; `records` (the five block pools) or None: no record."""
     num_seqs, num_tokens, num_channels = conv_inputs.shape
     num_heads = a.shape[2]
     block_c = min(triton.next_power_of_2(num_channels), MAX_BLOCK_C)
     grid = (num_seqs * num_tokens, triton.cdiv(num_channels, block_c))
+    record = records is not None
+    if not record:  # never read: any pointers, zero strides
+        records, record_strides = (conv_out,) * 5, (0,) * 10
+    else:
+        record_strides = tuple(stride for pool in records for stride in pool.stride()[:2])
     _gdn_inputs_kernel[grid](
         conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots,
-        conv_out, decay, beta,
-        block_conv_inputs, block_keys, block_values, block_decays, block_betas,
+        conv_out, decay, beta, *records,
         num_tokens,
         *conv_inputs.stride()[:2], *a.stride()[:2], *b.stride()[:2],
         *conv_states.stride(), *conv_weight.stride(),
-        *conv_out.stride()[:2], *decay.stride()[:2], *beta.stride()[:2],
-        *block_conv_inputs.stride()[:2], *block_keys.stride()[:2], *block_values.stride()[:2],
-        *block_decays.stride()[:2], *block_betas.stride()[:2],
+        *conv_out.stride()[:2], *decay.stride()[:2], *beta.stride()[:2], *record_strides,
         C=num_channels, KEY_DIM=key_dim, HV=num_heads, W=conv_weight.shape[1],
         BLOCK_C=block_c, BLOCK_H=triton.next_power_of_2(num_heads),
-        THRESHOLD=SOFTPLUS_THRESHOLD, INTERPRETED=is_interpreting(),
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        THRESHOLD=SOFTPLUS_THRESHOLD, RECORD=record,
+        INTERPRETED=is_interpreting(), num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -219,6 +256,32 @@ def prepare_gdn_inputs_reference(
 ) -> None:
     """Plain-torch fp32 version of `prepare_gdn_inputs` (same arguments and effects)."""
     _check_arguments(**locals())
+    prepare_gdn_prefill_inputs_reference(
+        conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots, conv_out, decay, beta
+    )
+    rows = (slots[:, None], torch.arange(conv_inputs.shape[1], device=slots.device)[None, :])
+    block_conv_inputs[rows] = conv_inputs.to(block_conv_inputs.dtype)
+    block_keys[rows] = conv_out[..., key_dim : 2 * key_dim].float()
+    block_values[rows] = conv_out[..., 2 * key_dim :].float()
+    block_decays[rows] = decay
+    block_betas[rows] = beta
+
+
+def prepare_gdn_prefill_inputs_reference(
+    conv_inputs: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_states: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    slots: torch.Tensor,
+    conv_out: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+) -> None:
+    """Plain-torch fp32 version of `prepare_gdn_prefill_inputs` (same arguments and effects)."""
+    _check_conv_and_gates(**locals())
     num_tokens, kernel = conv_inputs.shape[1], conv_weight.shape[1]
     history = conv_states[slots].to(conv_inputs.dtype).transpose(1, 2)
     window = torch.cat((history, conv_inputs), dim=1).float()
@@ -229,12 +292,6 @@ def prepare_gdn_inputs_reference(
     conv_out.copy_(silu(conv))
     decay.copy_(-torch.exp(A_log) * softplus(a.float() + dt_bias))
     beta.copy_(sigmoid(b.float()))
-    rows = (slots[:, None], torch.arange(num_tokens, device=slots.device)[None, :])
-    block_conv_inputs[rows] = conv_inputs.to(block_conv_inputs.dtype)
-    block_keys[rows] = conv_out[..., key_dim : 2 * key_dim].float()
-    block_values[rows] = conv_out[..., 2 * key_dim :].float()
-    block_decays[rows] = decay
-    block_betas[rows] = beta
 
 
 def _check_arguments(
@@ -242,54 +299,79 @@ def _check_arguments(
     conv_out, decay, beta, block_conv_inputs, block_keys, block_values, block_decays,
     block_betas,
 ):  # fmt: skip
+    _check_conv_and_gates(
+        conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots, conv_out, decay, beta
+    )
+    num_tokens, num_channels = conv_inputs.shape[1:]
+    if not isinstance(key_dim, int) or not 0 < 2 * key_dim < num_channels:
+        raise ValueError(f"key_dim must be an int in (0, C/2) with C={num_channels}, got {key_dim}")
+    if block_conv_inputs.dim() != 3:
+        raise ValueError(
+            f"block_conv_inputs must be [S, Tmax, C], got {list(block_conv_inputs.shape)}"
+        )
+    max_tokens = block_conv_inputs.shape[1]
+    if max_tokens < num_tokens:
+        raise ValueError(f"block_conv_inputs holds {max_tokens} tokens, the block has {num_tokens}")
+    heads, value_dim = A_log.shape[0], num_channels - 2 * key_dim
+    f32, pool = (torch.float32,), (conv_states.shape[0], max_tokens)
+    _check_tensors(
+        {
+            "block_conv_inputs": (block_conv_inputs, (*pool, num_channels), SUPPORTED_DTYPES),
+            "block_keys": (block_keys, (*pool, key_dim), f32),
+            "block_values": (block_values, (*pool, value_dim), f32),
+            "block_decays": (block_decays, (*pool, heads), f32),
+            "block_betas": (block_betas, (*pool, heads), f32),
+        },
+        conv_inputs.device,
+    )
+
+
+def _check_conv_and_gates(
+    conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots, conv_out, decay, beta
+):
     if conv_inputs.dim() != 3 or 0 in conv_inputs.shape:
         raise ValueError(f"conv_inputs must be [B, T, C], non-empty, got {list(conv_inputs.shape)}")
     if conv_inputs.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"conv_inputs must be one of {SUPPORTED_DTYPES}, got {conv_inputs.dtype}")
+    if conv_inputs.stride(-1) != 1:
+        raise ValueError(f"conv_inputs must have a unit last stride, got {conv_inputs.stride()}")
     num_seqs, num_tokens, num_channels = conv_inputs.shape
-    if not isinstance(key_dim, int) or not 0 < 2 * key_dim < num_channels:
-        raise ValueError(f"key_dim must be an int in (0, C/2) with C={num_channels}, got {key_dim}")
     if A_log.dim() != 1 or A_log.numel() == 0:
         raise ValueError(f"A_log must be [Hv], non-empty, got {list(A_log.shape)}")
     if conv_weight.dim() != 2 or conv_weight.shape[0] != num_channels or conv_weight.shape[1] < 1:
         raise ValueError(
             f"conv_weight must be [C={num_channels}, W], got {list(conv_weight.shape)}"
         )
-    if block_conv_inputs.dim() != 3:
-        raise ValueError(
-            f"block_conv_inputs must be [S, Tmax, C], got {list(block_conv_inputs.shape)}"
-        )
-    num_slots, max_tokens = block_conv_inputs.shape[:2]
-    if max_tokens < num_tokens:
-        raise ValueError(f"block_conv_inputs holds {max_tokens} tokens, the block has {num_tokens}")
-    heads, kernel, value_dim = A_log.shape[0], conv_weight.shape[1], num_channels - 2 * key_dim
+    if conv_states.dim() != 3:
+        raise ValueError(f"conv_states must be [S, C, W-1], got {list(conv_states.shape)}")
+    heads, kernel, num_slots = A_log.shape[0], conv_weight.shape[1], conv_states.shape[0]
     x_dtype, f32, floats = (conv_inputs.dtype,), (torch.float32,), SUPPORTED_DTYPES
-    pool = (num_slots, max_tokens)
-    expected = {
-        "a": (a, (num_seqs, num_tokens, heads), x_dtype),
-        "b": (b, (num_seqs, num_tokens, heads), x_dtype),
-        "conv_states": (conv_states, (num_slots, num_channels, kernel - 1), floats),
-        "conv_weight": (conv_weight, (num_channels, kernel), floats),
-        "A_log": (A_log, (heads,), f32),
-        "dt_bias": (dt_bias, (heads,), f32),
-        "slots": (slots, (num_seqs,), (torch.int64,)),
-        "conv_out": (conv_out, (num_seqs, num_tokens, num_channels), x_dtype),
-        "decay": (decay, (num_seqs, num_tokens, heads), f32),
-        "beta": (beta, (num_seqs, num_tokens, heads), f32),
-        "block_conv_inputs": (block_conv_inputs, (*pool, num_channels), floats),
-        "block_keys": (block_keys, (*pool, key_dim), f32),
-        "block_values": (block_values, (*pool, value_dim), f32),
-        "block_decays": (block_decays, (*pool, heads), f32),
-        "block_betas": (block_betas, (*pool, heads), f32),
-    }
+    _check_tensors(
+        {
+            "a": (a, (num_seqs, num_tokens, heads), x_dtype),
+            "b": (b, (num_seqs, num_tokens, heads), x_dtype),
+            "conv_states": (conv_states, (num_slots, num_channels, kernel - 1), floats),
+            "conv_weight": (conv_weight, (num_channels, kernel), floats),
+            "A_log": (A_log, (heads,), f32),
+            "dt_bias": (dt_bias, (heads,), f32),
+            "slots": (slots, (num_seqs,), (torch.int64,)),
+            "conv_out": (conv_out, (num_seqs, num_tokens, num_channels), x_dtype),
+            "decay": (decay, (num_seqs, num_tokens, heads), f32),
+            "beta": (beta, (num_seqs, num_tokens, heads), f32),
+        },
+        conv_inputs.device,
+    )
+
+
+def _check_tensors(expected: dict, device: torch.device) -> None:
+    """Each name's tensor has its shape, one of its dtypes, the device and (but the conv
+    state and weight) a unit last stride."""
     for name, (tensor, shape, dtypes) in expected.items():
         if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
             raise ValueError(
                 f"{name} must be {list(shape)} {dtypes}, got {list(tensor.shape)} {tensor.dtype}"
             )
-        if tensor.device != conv_inputs.device:
-            raise ValueError(f"{name} is on {tensor.device}, conv_inputs on {conv_inputs.device}")
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, conv_inputs on {device}")
         if name not in ("conv_states", "conv_weight") and tensor.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit last stride, got {tensor.stride()}")
-    if conv_inputs.stride(-1) != 1:
-        raise ValueError(f"conv_inputs must have a unit last stride, got {conv_inputs.stride()}")

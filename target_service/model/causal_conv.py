@@ -35,9 +35,8 @@ def conv_state_after(
     Leading dims (layers) are carried along; the result is a copy of stored values, no maths.
     """
     history = conv_state.shape[-1]
-    window = torch.cat(
-        (conv_state.transpose(-1, -2).to(inputs.dtype), inputs[..., :num_tokens, :]), dim=-2
-    )
+    newest = inputs[..., max(0, num_tokens - history) : num_tokens, :]  # all that can stay
+    window = torch.cat((conv_state.transpose(-1, -2).to(inputs.dtype), newest), dim=-2)
     return window[..., window.shape[-2] - history :, :].transpose(-1, -2)
 
 

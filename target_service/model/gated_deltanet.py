@@ -3,6 +3,8 @@
 Attribute names match the checkpoint (`layers.N.linear_attn.*`). Prefill runs the chunked
 plain-torch recurrence; verify/decode runs the token-by-token recurrence, as plain torch or,
 after `use_gpu_kernels`, as one Triton kernel that reads and writes the state pools by slot.
+On the kernel path prefill also takes the fused input kernel (conv, SiLU, gates) and
+fla-core's chunked rule where it is installed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dflash_serve.layers.linear import Linear, RowKernelGroup
 from dflash_serve.layers.norms import GatedRMSNorm
 from dflash_serve.qwen35_config import Qwen35TextConfig
 from target_service.kernels.chunked_prefill import chunked_prefill
-from target_service.model.causal_conv import causal_conv_with_state
+from target_service.model.causal_conv import causal_conv_with_state, conv_state_after
 from target_service.model.chunked_delta_rule import chunked_gated_delta_rule
 from target_service.model.delta_rule import expand_key_heads, gated_delta_rule, l2_normalize
 from target_service.model.forward_batch import ForwardBatch
@@ -47,8 +49,9 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps)
         self.out_proj = Linear(value_dim, hidden)
-        self.recurrence_kernel = None  # these four are set by use_gpu_kernels / fuse_row_kernels
+        self.recurrence_kernel = None  # these five are set by use_gpu_kernels / fuse_row_kernels
         self.inputs_kernel = None
+        self.prefill_inputs_kernel = None
         self.chunk_rule = None
         self.in_projs: RowKernelGroup | None = None
 
@@ -57,10 +60,14 @@ class GatedDeltaNet(nn.Module):
         on fla-core's chunked kernels where it is installed."""
         from target_service.kernels.chunked_prefill import load_chunk_rule
         from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
-        from target_service.kernels.gdn_inputs import prepare_gdn_inputs
+        from target_service.kernels.gdn_inputs import (
+            prepare_gdn_inputs,
+            prepare_gdn_prefill_inputs,
+        )
 
         self.recurrence_kernel = recurrent_gated_delta
         self.inputs_kernel = prepare_gdn_inputs
+        self.prefill_inputs_kernel = prepare_gdn_prefill_inputs
         self.chunk_rule = load_chunk_rule()
 
     def fuse_row_kernels(self) -> None:
@@ -70,8 +77,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: TargetState) -> torch.Tensor:
         """x [B, T, hidden] → [B, T, hidden]; reads and writes this layer's state slots."""
-        if batch.is_verify and self.recurrence_kernel is not None:
-            return self._verify_on_kernels(x, batch, state)
+        if self.recurrence_kernel is not None:
+            if batch.is_verify:
+                return self._verify_on_kernels(x, batch, state)
+            return self._prefill_on_kernels(x, batch, state)
         num_seqs, num_tokens, _ = x.shape
         slots = batch.slot_index(x.device)
         conv_inputs = self.in_proj_qkv(x)
@@ -101,18 +110,8 @@ class GatedDeltaNet(nn.Module):
         return expand_key_heads(q, self.num_value_heads), expand_key_heads(k, self.num_value_heads)
 
     def _prefill(self, q, k, v, decay, beta, slots, state: TargetState) -> torch.Tensor:
-        """Committed as it goes. Plain torch: in chunks (prefill is shared by both decoding
-        modes, so it need not be row-independent). On the kernel path: fla-core's chunked
-        kernels if installed, else the verify's Triton recurrence token by token; both in
-        place in the state pool."""
-        if self.chunk_rule is not None:
-            pool = state.recurrent_state[self.gdn_index]
-            return chunked_prefill(self.chunk_rule, q, k, v, decay, beta, pool, slots)
-        if self.recurrence_kernel is not None:
-            out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-            pool = state.recurrent_state[self.gdn_index]
-            self.recurrence_kernel(q, k, v, decay, beta, pool, pool, slots, out=out)
-            return out
+        """Committed as it goes, in chunks (prefill is shared by both decoding modes, so it
+        need not be row-independent)."""
         q, k = self._normalized_heads(q, k)
         initial = state.recurrent_state[self.gdn_index, slots]
         out, final = chunked_gated_delta_rule(q, k, v.float(), decay, beta, initial)
@@ -155,6 +154,38 @@ class GatedDeltaNet(nn.Module):
             q.view(key_heads), k.view(key_heads), values, gates[0], gates[1],
             state.recurrent_state[layer], state.block_final_state[layer], slots, out=out,
         )  # fmt: skip
+        out = self.norm(out.to(x.dtype), z.reshape(num_seqs, num_tokens, -1, self.value_head_dim))
+        return self.out_proj(out.reshape(num_seqs, num_tokens, -1))
+
+    def _prefill_on_kernels(self, x, batch: ForwardBatch, state: TargetState) -> torch.Tensor:
+        """Prefill on the kernel path, committed as it goes: the verify's input kernel without
+        its block record (one pass over the chunk where plain torch made some 20), then
+        fla-core's chunked rule if installed, else the verify's recurrence token by token,
+        both in place in the state pool."""
+        num_seqs, num_tokens, _ = x.shape
+        slots, layer = batch.slot_index(x.device), self.gdn_index
+        conv_inputs, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        conv_out = torch.empty(conv_inputs.shape, dtype=conv_inputs.dtype, device=x.device)
+        gates = torch.empty((2, num_seqs, num_tokens, self.num_value_heads), device=x.device)
+        conv_states = state.conv_state[layer]
+        self.prefill_inputs_kernel(
+            conv_inputs, a, b, conv_states, self.conv1d.weight[:, 0, :], self.A_log,
+            self.dt_bias, slots, conv_out, gates[0], gates[1],
+        )  # fmt: skip
+        conv_states[slots] = conv_state_after(conv_states[slots], conv_inputs, num_tokens).to(
+            conv_states.dtype
+        )
+        q, k, v = torch.split(conv_out, self.split_sizes, dim=-1)
+        key_heads = (num_seqs, num_tokens, -1, self.key_head_dim)
+        q, k = q.reshape(key_heads), k.reshape(key_heads)
+        v = v.reshape(num_seqs, num_tokens, -1, self.value_head_dim)
+        pool = state.recurrent_state[layer]
+        if self.chunk_rule is not None:
+            out = chunked_prefill(self.chunk_rule, q, k, v, gates[0], gates[1], pool, slots)
+        else:
+            out = torch.empty(v.shape, dtype=torch.float32, device=x.device)
+            self.recurrence_kernel(q, k, v, gates[0], gates[1], pool, pool, slots, out=out)
         out = self.norm(out.to(x.dtype), z.reshape(num_seqs, num_tokens, -1, self.value_head_dim))
         return self.out_proj(out.reshape(num_seqs, num_tokens, -1))
 
