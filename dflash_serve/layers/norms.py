@@ -34,6 +34,11 @@ class RMSNorm(nn.Module):
         self.kernel = rms_norm
         self.add_kernel = add_rms_norm
 
+    def shares_settings(self, other: RMSNorm) -> bool:
+        """Same eps and kind (`w` or `1 + w`), so that one kernel launch can apply both (the
+        fused q/k norms of `attention_inputs_into_cache` take one of each)."""
+        return (self.eps, self.zero_centred) == (other.eps, other.zero_centred)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x.contiguous(), self.weight, self.eps, self.zero_centred)

@@ -50,10 +50,7 @@ class DrafterAttention(nn.Module):
         """The kernel path's projections: q, k and v as one (cuBLAS) matmul over their stacked
         weights (k and v alone: a view of its tail), feeding `attention_inputs_into_cache`.
         The linears become views of the stacked weight (no second copy)."""
-        if (self.q_norm.eps, self.q_norm.zero_centred) != (
-            self.k_norm.eps,
-            self.k_norm.zero_centred,
-        ):
+        if not self.q_norm.shares_settings(self.k_norm):
             raise ValueError("the fused q/k kernel needs one eps and one kind for both norms")
         self.qkv_weight = stack_dense_weights([self.q_proj, self.k_proj, self.v_proj])
 

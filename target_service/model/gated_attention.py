@@ -95,7 +95,7 @@ class GatedAttention(nn.Module):
             and self.qkv_projs.is_one_matmul
             and self.qkv_projs.accepts(x)
             and state.key_cache.dtype == x.dtype
-            and self.q_norm.eps == self.k_norm.eps  # (one eps for both in the kernel)
+            and self.q_norm.shares_settings(self.k_norm)
         )
 
     def _verify_fused(self, x, batch: ForwardBatch, state: TargetState, cos_sin):
