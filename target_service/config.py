@@ -8,11 +8,12 @@ from dflash_serve.errors import ConfigError
 from dflash_serve.layers.int4_reads import INT4_READS
 from dflash_serve.service_settings import ServiceSettings
 
-# Each prefill chunk is one eager forward: ~1,900 kernel launches, ~55 ms of host time on an
-# H200 whatever its length, while its GPU time grows with it (2,048 tokens ~45 ms). Chunks of
-# 2,048 kept the GPU waiting for the host; of 8,192 an 8,192-token prompt of the 4B-shaped
-# target took 177 ms instead of 214 ms (4,096: 188 ms), for ~1.3 GB of activations instead
-# of ~0.35 GB (H200, same-process A/B; see README "GPU fast path").
+# Each prefill chunk is one eager forward with a fixed host cost on a GPU (~55 ms on an H200
+# when this was measured, ~1,800 launches; ~925 since), while its GPU time grows with it
+# (2,048 tokens ~45 ms). Chunks of 2,048 kept the GPU waiting for the host; of 8,192 an
+# 8,192-token prompt of the 4B-shaped target took 177 ms instead of 214 ms (4,096: 188 ms),
+# for ~1.3 GB of activations instead of ~0.35 GB (H200, same-process A/B; README "GPU fast
+# path"). On a CPU a smaller chunk bounds activation memory for long prompts.
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 
 

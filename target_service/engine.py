@@ -21,13 +21,14 @@ from dflash_serve.slots import SlotAllocator
 from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS
 from target_service.model.commit import commit_blocks
 from target_service.model.decoder import Qwen35TextModel
-from target_service.model.forward_batch import ForwardBatch
+from target_service.model.forward_batch import ForwardBatch, ints_on_device
 from target_service.model.state import StateShape, TargetState
 from target_service.verify_graphs import VerifyGraphs
 
 # With verify graphs, prompts up to this length are prefilled as 16-token verify blocks (see
-# `prefills_in_blocks`); measured on an H200 (bench.prefill), an eager prefill costs ~60 ms
-# of host time below ~1,000 tokens and a replayed block ~5 ms: break-even ~190 tokens.
+# `prefills_in_blocks`); measured on an H200 (bench.prefill), an eager prefill cost ~60 ms
+# of host time below ~1,000 tokens and a replayed block ~5 ms: break-even ~190 tokens. Since
+# 532a54e an eager 512-token prefill takes 46-56 ms: break-even ~150-180 tokens.
 DEFAULT_BLOCK_PREFILL_MAX_TOKENS = 128
 
 
@@ -162,7 +163,7 @@ class TargetEngine:
     def prefills_in_blocks(self, num_tokens: int) -> bool:
         """Whether a prompt of `num_tokens` is prefilled as verify blocks, each committed
         whole (`prompt_blocks`): with verify graphs, every block replays one, where an eager
-        prefill is ~2,000 kernel launches, host-bound whatever the prompt's length; and the
+        prefill chunk is ~925 kernel launches, host-bound for short prompts; and the
         blocks of concurrent sessions' prompts can share verifies (see InProcessTarget). The
         result is the verify path's: no less the model's, and both decoding modes share it."""
         return num_tokens <= self.block_prefill_max_tokens
@@ -185,15 +186,15 @@ class TargetEngine:
 
     def _prefill_in_chunks(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
         """Eager forwards of `prefill_chunk_tokens` tokens. Every chunk's token ids, slot and
-        start position reach the device in one copy before the first forward, and the layers
-        read them there: on a GPU each copy from a Python list made the host wait for all
-        queued work, so per chunk (and per layer) the host stopped queueing the next kernels
-        while the GPU ran, and the two took turns instead of overlapping."""
+        start position reach the device in one non-blocking copy before the first forward,
+        and the layers read them there: on a GPU each blocking copy from a Python list (one
+        per layer and chunk) made the host wait for all queued work, so the host stopped
+        queueing the next kernels while the GPU ran, and the two took turns."""
         size, num_ids = self.prefill_chunk_tokens, len(prompt_ids)
         chunk_starts = range(0, num_ids, size)
         first = self.state.lengths[slot]
         packed = [*prompt_ids, slot, *(first + start for start in chunk_starts)]
-        on_device = torch.tensor(packed, dtype=torch.int64).to(self.device, non_blocking=True)
+        on_device = ints_on_device(packed, self.device)
         all_ids, slot_ids, start_ids = on_device.split([num_ids, 1, len(chunk_starts)])
         taps = []
         hidden = None
@@ -248,7 +249,7 @@ class TargetEngine:
         starts = tuple(self.state.lengths[s] for s in slots)
         if run_length is None:
             batch = ForwardBatch(tuple(slots), starts, run_tokens, is_verify=True)
-            ids = torch.tensor(padded, device=self.device)
+            ids = ints_on_device(padded, self.device)
             hidden, taps = self.model(
                 ids, batch.on_device(self.device), self.state, self.tap_layer_ids
             )

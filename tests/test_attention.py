@@ -59,15 +59,20 @@ def test_attend_each_query_sees_exactly_its_range():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_attend_causal_on_the_gpu_at_qwen35_4b_shapes():
-    """bf16 on the GPU (SDPA's flash kernel, 16 query heads over 4 key heads of 256): the
-    naive softmax's result to bf16 rounding, for a chunk after cached tokens and a first one."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attend_causal_on_the_gpu_at_qwen35_4b_shapes(dtype):
+    """On the GPU, 16 query heads over 4 key heads of 256 (bf16: SDPA's flash kernel; fp32:
+    the masked path): the naive softmax's result to the dtype's rounding, for a chunk after
+    cached tokens and a first one."""
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for num_new, num_cached in ((48, 80), (32, 0)):
         q, keys, values = random_qkv(2, num_new, num_cached + num_new, 16, 4, 256, seed=3)
         scale = 256**-0.5
-        out = attend_causal(*(x.cuda().bfloat16() for x in (q, keys, values)), scale)
+        out = attend_causal(*(x.cuda().to(dtype) for x in (q, keys, values)), scale)
         counts = [num_cached + t + 1 for t in range(num_new)]
         for b in range(2):
-            rounded = (x[b].bfloat16().double() for x in (q, keys, values))
+            rounded = (x[b].to(dtype).double() for x in (q, keys, values))
             expected = naive(*rounded, counts, scale)
-            torch.testing.assert_close(out[b].cpu().double(), expected, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(
+                out[b].cpu().double(), expected, atol=tolerance, rtol=tolerance
+            )

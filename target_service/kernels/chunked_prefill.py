@@ -40,8 +40,8 @@ def chunked_prefill(
     """Same contract as `recurrent_gated_delta` over a prefill chunk: q, k raw (before the
     L2 norm) [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (log decay) and beta [B, T, Hv] fp32; pool
     fp32 [slots, Hv, Dk, Dv], read at `slots` and updated in place. Returns outputs
-    [B, T, Hv, Dv] in q's dtype, as fla computes them (the layer casts them to the
-    activations' dtype next, so widening them to fp32 here was a copy there and back). Value
+    [B, T, Hv, Dv] in the rule's output dtype (fla's: v's), not widened to fp32: the layer
+    casts them to the activations' dtype next, so widening was a copy there and back. Value
     head h reads key head h // (Hv / Hk), as fla's GVA does; the state layout [.., Dk, Dv] is
     asked for explicitly (Dk = Dv for Qwen3.5, so a transposed state would raise nothing)."""
     initial = pool[slots]

@@ -17,6 +17,7 @@ import torch
 
 from target_service.model.causal_conv import conv_state_after, conv_states_after
 from target_service.model.delta_rule import replay_state
+from target_service.model.forward_batch import ints_on_device
 from target_service.model.state import TargetState
 
 
@@ -76,7 +77,7 @@ def _commit_batch(
     entries = [layer * num_slots + slot for layer in range(num_layers) for slot in partial_slots]
     counts = [num_kept[i] for i in partial] * num_layers
     packed = [*slots, *num_kept, *(slots[i] for i in whole), *partial_slots, *entries, *counts]
-    on_device = torch.tensor(packed).to(state.conv_state.device, non_blocking=True)
+    on_device = ints_on_device(packed, state.conv_state.device)
     index, kept, whole_index, partial_index, entries_index, counts_index = on_device.split(
         [len(slots), len(slots), len(whole), len(partial), len(entries), len(counts)]
     )

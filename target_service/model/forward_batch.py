@@ -7,6 +7,14 @@ from dataclasses import dataclass, replace
 import torch
 
 
+def ints_on_device(values, device: torch.device | str) -> torch.Tensor:
+    """int64 `values` (a list, or nested lists of one length) as a tensor on `device`,
+    without making the host wait: `torch.tensor(values, device=cuda)` blocks until the GPU has
+    run everything queued, while a non-blocking copy of a host tensor returns once CUDA has
+    staged the bytes, so the temporary may go at once."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     """B sequences (slots) each feeding `num_tokens` new tokens from its own start position.
@@ -32,18 +40,18 @@ class ForwardBatch:
 
     def on_device(self, device: torch.device | str) -> ForwardBatch:
         """This batch with its slots and starts also held as tensors on `device`."""
-        ids = torch.tensor((self.slots, self.start_positions), dtype=torch.int64, device=device)
+        ids = ints_on_device((self.slots, self.start_positions), device)
         return replace(self, slot_ids=ids[0], start_ids=ids[1])
 
     def slot_index(self, device: torch.device | str) -> torch.Tensor:
         if self.slot_ids is not None:
             return self.slot_ids
-        return torch.tensor(self.slots, device=device)
+        return ints_on_device(self.slots, device)
 
     def start_index(self, device: torch.device | str) -> torch.Tensor:
         if self.start_ids is not None:
             return self.start_ids
-        return torch.tensor(self.start_positions, device=device)
+        return ints_on_device(self.start_positions, device)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """Absolute positions [B, T] of the new tokens."""

@@ -129,15 +129,9 @@ class GatedDeltaNet(nn.Module):
     def _verify_on_kernels(self, x, batch: ForwardBatch, state: TargetState) -> torch.Tensor:
         """The verify step as three kernels between the matmuls: inputs (conv, SiLU, gates,
         block record), recurrence, gated norm. Reads only the batch's device tensors."""
-        num_seqs, num_tokens, _ = x.shape
         slots, layer = batch.slot_index(x.device), self.gdn_index
-        if self.in_projs is not None and self.in_projs.accepts(x):
-            conv_inputs, z, b, a = self.in_projs(x)
-        else:
-            conv_inputs, z = self.in_proj_qkv(x), self.in_proj_z(x)
-            b, a = self.in_proj_b(x), self.in_proj_a(x)
-        conv_out = torch.empty(conv_inputs.shape, dtype=conv_inputs.dtype, device=x.device)
-        gates = torch.empty((2, num_seqs, num_tokens, self.num_value_heads), device=x.device)
+        conv_inputs, z, b, a = self._projections(x)
+        conv_out, gates = self._kernel_outputs(conv_inputs)
         key_dim = self.split_sizes[0]
         self.inputs_kernel(
             conv_inputs, a, b, state.conv_state[layer], self.conv1d.weight[:, 0, :],
@@ -146,47 +140,70 @@ class GatedDeltaNet(nn.Module):
             state.block_values[layer].flatten(2), state.block_decays[layer],
             state.block_betas[layer],
         )  # fmt: skip
-        q, k, v = torch.split(conv_out, self.split_sizes, dim=-1)
-        key_heads = (num_seqs, num_tokens, -1, self.key_head_dim)
-        values = v.view(num_seqs, num_tokens, -1, self.value_head_dim)
-        out = torch.empty(values.shape, dtype=torch.float32, device=x.device)
+        q, k, v = self._heads(conv_out)
+        out = torch.empty(v.shape, dtype=torch.float32, device=x.device)
         self.recurrence_kernel(
-            q.view(key_heads), k.view(key_heads), values, gates[0], gates[1],
-            state.recurrent_state[layer], state.block_final_state[layer], slots, out=out,
+            q, k, v, gates[0], gates[1], state.recurrent_state[layer],
+            state.block_final_state[layer], slots, out=out,
         )  # fmt: skip
-        out = self.norm(out.to(x.dtype), z.reshape(num_seqs, num_tokens, -1, self.value_head_dim))
-        return self.out_proj(out.reshape(num_seqs, num_tokens, -1))
+        return self._gated_output(out, z)
 
     def _prefill_on_kernels(self, x, batch: ForwardBatch, state: TargetState) -> torch.Tensor:
         """Prefill on the kernel path, committed as it goes: the verify's input kernel without
         its block record (one pass over the chunk where plain torch made some 20), then
         fla-core's chunked rule if installed, else the verify's recurrence token by token,
         both in place in the state pool."""
-        num_seqs, num_tokens, _ = x.shape
         slots, layer = batch.slot_index(x.device), self.gdn_index
-        conv_inputs, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
-        conv_out = torch.empty(conv_inputs.shape, dtype=conv_inputs.dtype, device=x.device)
-        gates = torch.empty((2, num_seqs, num_tokens, self.num_value_heads), device=x.device)
+        conv_inputs, z, b, a = self._projections(x)
+        conv_out, gates = self._kernel_outputs(conv_inputs)
         conv_states = state.conv_state[layer]
         self.prefill_inputs_kernel(
             conv_inputs, a, b, conv_states, self.conv1d.weight[:, 0, :], self.A_log,
             self.dt_bias, slots, conv_out, gates[0], gates[1],
         )  # fmt: skip
-        conv_states[slots] = conv_state_after(conv_states[slots], conv_inputs, num_tokens).to(
-            conv_states.dtype
-        )
-        q, k, v = torch.split(conv_out, self.split_sizes, dim=-1)
-        key_heads = (num_seqs, num_tokens, -1, self.key_head_dim)
-        q, k = q.reshape(key_heads), k.reshape(key_heads)
-        v = v.reshape(num_seqs, num_tokens, -1, self.value_head_dim)
+        history = conv_state_after(conv_states[slots], conv_inputs, conv_inputs.shape[1])
+        conv_states[slots] = history.to(conv_states.dtype)  # after the kernel read the old one
+        q, k, v = self._heads(conv_out)
         pool = state.recurrent_state[layer]
         if self.chunk_rule is not None:
             out = chunked_prefill(self.chunk_rule, q, k, v, gates[0], gates[1], pool, slots)
         else:
             out = torch.empty(v.shape, dtype=torch.float32, device=x.device)
             self.recurrence_kernel(q, k, v, gates[0], gates[1], pool, pool, slots, out=out)
-        out = self.norm(out.to(x.dtype), z.reshape(num_seqs, num_tokens, -1, self.value_head_dim))
+        return self._gated_output(out, z)
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(conv_inputs, z, b, a): one kernel matmul per weight kind where the row kernels
+        take x's rows, else the four linears."""
+        if self.in_projs is not None and self.in_projs.accepts(x):
+            return tuple(self.in_projs(x))
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def _kernel_outputs(self, conv_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the input kernels write: conv_out (conv_inputs' shape and dtype) and the gates
+        [2, B, T, Hv] fp32 (decay, beta)."""
+        num_seqs, num_tokens, _ = conv_inputs.shape
+        conv_out = torch.empty(
+            conv_inputs.shape, dtype=conv_inputs.dtype, device=conv_inputs.device
+        )
+        gates = torch.empty(
+            (2, num_seqs, num_tokens, self.num_value_heads), device=conv_inputs.device
+        )
+        return conv_out, gates
+
+    def _heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv]: views of conv_out's channels."""
+        num_seqs, num_tokens, _ = conv_out.shape
+        q, k, v = torch.split(conv_out, self.split_sizes, dim=-1)
+        key_heads = (num_seqs, num_tokens, -1, self.key_head_dim)
+        values = (num_seqs, num_tokens, -1, self.value_head_dim)
+        return q.view(key_heads), k.view(key_heads), v.view(values)
+
+    def _gated_output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The recurrence's output [B, T, Hv, Dv] → gated norm (gate z) → out_proj."""
+        num_seqs, num_tokens = out.shape[:2]
+        gate = z.reshape(num_seqs, num_tokens, -1, self.value_head_dim)
+        out = self.norm(out.to(z.dtype), gate)
         return self.out_proj(out.reshape(num_seqs, num_tokens, -1))
 
     def _record_block(self, state, slots, num_tokens, conv_inputs, raw_keys, v, decay, beta):
