@@ -81,16 +81,13 @@ class GatedDeltaNet(nn.Module):
             if batch.is_verify:
                 return self._verify_on_kernels(x, batch, state)
             return self._prefill_on_kernels(x, batch, state)
-        num_seqs, num_tokens, _ = x.shape
+        num_tokens = x.shape[1]
         slots = batch.slot_index(x.device)
         conv_inputs = self.in_proj_qkv(x)
         conv_out, conv_state = causal_conv_with_state(
             conv_inputs, state.conv_state[self.gdn_index, slots], self.conv1d.weight[:, 0, :]
         )
-        q, k, v = torch.split(silu(conv_out), self.split_sizes, dim=-1)
-        heads = (num_seqs, num_tokens, -1, self.key_head_dim)
-        q, k = q.reshape(heads), k.reshape(heads)
-        v = v.reshape(num_seqs, num_tokens, -1, self.value_head_dim)
+        q, k, v = self._heads(silu(conv_out))
         beta = sigmoid(self.in_proj_b(x)).float()
         a = self.in_proj_a(x).float()
         decay = -self.A_log.float().exp() * softplus(a + self.dt_bias.float())
@@ -100,9 +97,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out = self._verify_reference(q, k, v, decay, beta, slots, state)
             self._record_block(state, slots, num_tokens, conv_inputs, k, v, decay, beta)
-        z = self.in_proj_z(x).reshape(num_seqs, num_tokens, -1, self.value_head_dim)
-        out = self.norm(out.to(x.dtype), z)
-        return self.out_proj(out.reshape(num_seqs, num_tokens, -1))
+        return self._gated_output(out, self.in_proj_z(x))
 
     def _normalized_heads(self, q, k):
         q = l2_normalize(q) * self.key_head_dim**-0.5
