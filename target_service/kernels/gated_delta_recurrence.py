@@ -43,7 +43,11 @@ from target_service.model.delta_rule import (
     l2_normalize,
 )
 
-MAX_BLOCK_V = 8
+# One warp per 128 × 16 state tile. Against 128 × 8 (serving's until 2026-12-01) the commit's
+# replay of 8 sequences' prefixes takes half the time and a batch-8 verify-and-commit ~1 ms
+# less, batch 1 unchanged (H200: `bench.profile_recurrence` and whole steps,
+# bench/results/recurrence-tile-ab-2026-12-01-nvidia-h200.json).
+MAX_BLOCK_V = 16
 NUM_WARPS = 1
 
 
