@@ -86,6 +86,7 @@ def launch_every_variant() -> None:
         tuned_configs,
     )
     from dflash_serve.kernels.silu_mul import silu_mul
+    from dflash_serve.layers.split_sums import SplitSums
     from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
     from target_service.kernels.gdn_inputs import prepare_gdn_inputs, prepare_gdn_prefill_inputs
     from tests import test_kernel_block_attention as attention_tests
@@ -137,6 +138,9 @@ def launch_every_variant() -> None:
         rms_norm(rows, torch.ones(64), 1e-6, zero_centred)
     gated_rms_norm(rows, rows, torch.ones(64), 1e-6)
     add_rms_norm(rows, rows, torch.ones(64), 1e-6, True)
+    for splits in (2, 4, 8):  # a residual add summing a down projection's split-K partials
+        partials = SplitSums(torch.randn(splits, 4, 64), (4, 64))
+        add_rms_norm(rows, partials, torch.ones(64), 1e-6, True)
     silu_mul(rows, rows)
     for head_dim, rotary_dim, zero_centred in (
         (256, 64, True),

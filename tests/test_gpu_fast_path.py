@@ -15,7 +15,12 @@ import random
 import pytest
 import torch
 
-from dflash_serve.checkpoint.synthetic import QWEN35_4B_TEXT, write_target
+from dflash_serve.checkpoint.synthetic import (
+    LAYOUTS,
+    QWEN35_4B_TEXT,
+    small_target_config,
+    write_target,
+)
 from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
 from dflash_serve.speculative.types import SamplingParams
 from target_service.engine import TargetEngine
@@ -86,6 +91,69 @@ def test_block_rows_equal_plain_decoding(kernel_model):
     block = engine.verify([a], [BLOCK])
     decoded = decode(engine, b, BLOCK)
     assert torch.equal(block.logits[0], decoded)
+
+
+def test_split_sums_added_in_the_residual_add_change_no_bit(tiny_dir, monkeypatch):
+    """With K split (as at Qwen3.5-4B's shapes; the tiny shapes are forced to split here) the
+    output projections and the MLP's down projection hand their partial sums to the next
+    residual add, which sums them: bit for bit the path that sums them in `row_matmul`."""
+    from dflash_serve.kernels import rms_norm as rms_norm_module
+    from dflash_serve.kernels import row_matmul as row_matmul_module
+    from dflash_serve.kernels.row_matmul import MatmulConfig
+    from dflash_serve.layers.linear import RowIndependentLinear
+    from dflash_serve.layers.split_sums import SplitSums
+
+    def split_config(n, k, group_size=None):
+        return MatmulConfig.over_splits(k, block_n=64, block_k=32, blocks_per_split=1)
+
+    monkeypatch.setattr(row_matmul_module, "matmul_config", split_config)
+    handed_on = []
+    fused_add = rms_norm_module.add_rms_norm
+
+    def counting_add(x, delta, *args):
+        handed_on.append(isinstance(delta, SplitSums))
+        return fused_add(x, delta, *args)
+
+    monkeypatch.setattr(rms_norm_module, "add_rms_norm", counting_add)
+
+    def block_and_decode(keeps_splits: bool):
+        model = load_target_model(tiny_dir, torch.bfloat16, DEVICE)
+        model.use_gpu_kernels(MAX_KERNEL_ROWS)
+        for module in model.modules():
+            if isinstance(module, RowIndependentLinear) and not keeps_splits:
+                module.keeps_splits = False
+        engine = new_engine(model)
+        a, b = engine.open_sequence(), engine.open_sequence()
+        engine.prefill(a, PROMPT)
+        engine.prefill(b, PROMPT)
+        block = engine.verify([a], [BLOCK]).logits[0]
+        return block, decode(engine, b, BLOCK[:3])
+
+    handed_on.clear()
+    kept = block_and_decode(keeps_splits=True)
+    num_layers = len(load_target_model(tiny_dir, torch.bfloat16, DEVICE).layers)
+    # o/out and down of every layer, in 6 forwards: 2 prefills, the block, 3 decodes
+    assert all(handed_on) and len(handed_on) == 2 * num_layers * 6
+    handed_on.clear()
+    summed = block_and_decode(keeps_splits=False)
+    assert not any(handed_on)
+    assert torch.equal(kept[0], summed[0]) and torch.equal(kept[1], summed[1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_hands_its_split_sums_to_the_residual_adds(tmp_path, layout):
+    """4-bit layers replace the dense ones at load: the kernel path must still hand their
+    partial sums on (they would else be summed twice as often as needed)."""
+    from dflash_serve.layers.linear import Int4Linear
+
+    config = small_target_config(vocab_size=256, eos_token_id=255)
+    model_dir = write_target(tmp_path / layout, config, layout)
+    model = load_target_model(model_dir, torch.bfloat16, DEVICE)
+    model.use_gpu_kernels(MAX_KERNEL_ROWS)
+    for layer in model.layers:
+        mixer = layer.self_attn.o_proj if layer.is_attention else layer.linear_attn.out_proj
+        assert mixer.keeps_splits and layer.mlp.down_proj.keeps_splits
+        assert isinstance(layer.mlp.down_proj, Int4Linear) == (layout != "bf16")
 
 
 @pytest.mark.parametrize("num_kept", [1, 6, 15, 16])

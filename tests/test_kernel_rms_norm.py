@@ -25,6 +25,7 @@ from dflash_serve.kernels.rms_norm import (
     rms_norm,
     rms_norm_reference,
 )
+from dflash_serve.layers.split_sums import SplitSums
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -113,6 +114,38 @@ def test_add_rms_norm_is_the_add_then_the_norm(dim, dtype):
     total, normed = add_rms_norm(x, delta, weight, EPS, True)
     assert torch.equal(alone_total[0, 0], total[1, 3])
     assert torch.equal(alone_normed[0, 0], normed[1, 3])
+
+
+@pytest.mark.parametrize("dim", (100, 2560))
+def test_add_rms_norm_sums_split_partials_as_the_matmul_would(dim):
+    """A delta left as split-K partial sums gives, bit for bit, what the summed bf16 delta
+    gives (summed in split order in plain torch, fp32, one rounding)."""
+    x, _, weight = _inputs((3, 5, dim), torch.bfloat16, seed=dim + 5)
+    generator = torch.Generator(device=DEVICE).manual_seed(dim)
+    partials = torch.randn(4, 15, dim, generator=generator, device=DEVICE)
+    partials[1] = -partials[0]  # an order other than 0, 1, 2, 3 would lose split 2's bits
+    partials[0] *= 2**20
+    partials[1] *= 2**20
+    summed = ((partials[0] + partials[1]) + partials[2]) + partials[3]
+    delta = summed.bfloat16().reshape(3, 5, dim)
+    split = SplitSums(partials, (3, 5, dim))
+    for zero_centred in (True, False):
+        total, normed = add_rms_norm(x, split, weight, EPS, zero_centred)
+        expected_total, expected_normed = add_rms_norm(x, delta, weight, EPS, zero_centred)
+        assert torch.equal(total, expected_total) and torch.equal(normed, expected_normed)
+        reference = add_rms_norm_reference(x, split, weight, EPS, zero_centred)
+        assert torch.equal(reference[0], expected_total)
+
+
+def test_add_rms_norm_rejects_bad_split_partials():
+    x, _, weight = _inputs((2, 100), torch.bfloat16, seed=4)
+    partials = torch.zeros(3, 2, 100, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        add_rms_norm(x, SplitSums(partials.double(), (2, 100)), weight, EPS, True)
+    with pytest.raises(ValueError, match="partial sums"):
+        add_rms_norm(x, SplitSums(partials[:, :1], (1, 100)), weight, EPS, True)
+    with pytest.raises(ValueError, match="delta must be"):
+        add_rms_norm(x.float(), SplitSums(partials, (2, 100)), weight.float(), EPS, True)
 
 
 def test_add_rms_norm_rejects_a_mismatched_delta():

@@ -27,7 +27,9 @@ from dflash_serve.kernels.row_matmul import (
     repack_int4,
     row_matmul,
     row_matmul_reference,
+    sum_splits,
 )
+from dflash_serve.layers.split_sums import SplitSums
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ["dense", "awq", "ct_symmetric", "ct_asymmetric"]
@@ -263,6 +265,39 @@ def test_split_sum_order_is_fixed():
     x = torch.cat((x_big, x_big, x_small), dim=1)
     assert_close_to_reference(row_matmul(x, weight), x_small, small)
     assert_rows_independent(x, weight)
+
+
+@pytest.mark.parametrize("kind", ["dense", "awq"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kept_splits_sum_to_the_result(kind, shape):
+    """keep_splits hands on the partial sums where K is split: summed in split order in plain
+    torch (fp32, one rounding to bf16) they are the result bit for bit; an unsplit shape's
+    result comes back as it is."""
+    n, k, group_size = shape
+    weight, _ = make_weight(kind, n, k, group_size)
+    x = random_rows(21, k, seed=11)
+    expected = row_matmul(x, weight)
+    kept = row_matmul(x, weight, keep_splits=True)
+    splits = matmul_config(n, k, None if kind == "dense" else group_size).split_k
+    if splits == 1:
+        assert isinstance(kept, torch.Tensor) and torch.equal(kept, expected)
+        return
+    assert isinstance(kept, SplitSums) and kept.partials.shape == (splits, 21, n)
+    summed = kept.partials[0].clone()
+    for partial in kept.partials[1:]:
+        summed += partial
+    assert torch.equal(summed.bfloat16(), expected)
+    assert torch.equal(kept.total(), expected)
+    assert torch.equal(sum_splits(kept.partials), expected)
+
+
+def test_kept_splits_take_no_out():
+    n, k, group_size = SHAPES[1]
+    weight, _ = make_weight("dense", n, k, group_size)
+    x = random_rows(4, k, seed=12)
+    with pytest.raises(ValueError, match="give no out"):
+        row_matmul(x, weight, out=torch.empty(4, n, device=DEVICE, dtype=torch.bfloat16),
+                   keep_splits=True)  # fmt: skip
 
 
 def test_out_with_row_stride():

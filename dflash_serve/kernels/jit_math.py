@@ -29,3 +29,13 @@ def round_to(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True).to(DTYPE)
     return x.to(DTYPE)
+
+
+@triton.jit
+def summed_splits(partial_ptr, offs, mask, split_stride, SPLIT_K: tl.constexpr):
+    """Σ_s partial[s] at `offs`, in fp32, split 0 first: the one order every consumer of
+    split-K partial sums adds them in (`row_matmul`'s sum kernel, `add_rms_norm`)."""
+    acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):
+        acc += tl.load(partial_ptr + split * split_stride + offs, mask=mask, other=0.0)
+    return acc

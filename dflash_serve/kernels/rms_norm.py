@@ -20,8 +20,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dflash_serve.kernels import FP_FUSION, is_interpreting
-from dflash_serve.kernels.jit_math import exact_exp, round_to
+from dflash_serve.kernels.jit_math import exact_exp, round_to, summed_splits
 from dflash_serve.layers import norm_math
+from dflash_serve.layers.split_sums import SplitSums
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -91,17 +92,23 @@ def _scaled_norm(x, w_ptr, cols, mask, D: tl.constexpr, eps, ZERO_CENTRED: tl.co
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, eps,
-    D: tl.constexpr, BLOCK: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+    x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, eps, split_stride,
+    D: tl.constexpr, BLOCK: tl.constexpr, ZERO_CENTRED: tl.constexpr, DELTA_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """The residual add, rounded to the sum's dtype as torch's add rounds it, then the norm of
-    that rounded sum: one pass over the row instead of an add kernel and a norm kernel."""
+    that rounded sum: one pass over the row instead of an add kernel and a norm kernel.
+    DELTA_SPLITS > 0: delta is fp32 split-K partial sums (split s at s·split_stride), summed
+    and rounded to bf16 here exactly as `row_matmul`'s sum kernel would have."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.load(delta_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    if DELTA_SPLITS > 0:
+        delta = summed_splits(delta_ptr, row * D + cols, mask, split_stride, DELTA_SPLITS)
+        delta = round_to(delta, tl.bfloat16, INTERPRETED).to(tl.float32)
+    else:
+        delta = tl.load(delta_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     total = round_to(x + delta, sum_ptr.dtype.element_ty, INTERPRETED)
     tl.store(sum_ptr + row * D + cols, total, mask=mask)
     y = _scaled_norm(total.to(tl.float32), w_ptr, cols, mask, D, eps, ZERO_CENTRED, INTERPRETED)
@@ -170,15 +177,31 @@ def rms_norm(
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool
+    x: torch.Tensor,
+    delta: torch.Tensor | SplitSums,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centred: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, `rms_norm`(x + delta)) in one kernel: the residual stream's add and the next
     norm. x, delta: [..., D] of one dtype (bf16/fp16/fp32) and shape; returns new contiguous
-    tensors; the sum is bit for bit torch's `x + delta`, the norm `rms_norm` of that sum."""
+    tensors; the sum is bit for bit torch's `x + delta`, the norm `rms_norm` of that sum.
+    delta may be a bf16 matmul result left as split-K partial sums (`SplitSums`, x bf16):
+    they are summed here, bit for bit `delta.total()`, saving the sum's own launch."""
     _check_input(x, weight)
-    if delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
+    splits, delta_shape, delta_dtype = 0, tuple(delta.shape), torch.bfloat16
+    if isinstance(delta, SplitSums):
+        splits, partials = delta.partials.shape[0], delta.partials
+        if partials.dtype != torch.float32 or not partials.is_contiguous():
+            raise ValueError("delta: split-K partial sums must be contiguous fp32")
+        if partials[0].numel() != x.numel() or partials.device != x.device:
+            raise ValueError(f"delta: partial sums {tuple(partials.shape)} for x {tuple(x.shape)}")
+        delta = partials
+    else:
+        delta_dtype, delta = delta.dtype, delta.contiguous()
+    if delta_shape != tuple(x.shape) or delta_dtype != x.dtype or delta.device != x.device:
         expected = f"{x.dtype} {tuple(x.shape)} on {x.device}"
-        raise ValueError(f"delta must be {expected}, got {delta.dtype} {tuple(delta.shape)}")
+        raise ValueError(f"delta must be {expected}, got {delta_dtype} {delta_shape}")
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = torch.empty_like(total)
     if x.numel() == 0:
@@ -186,9 +209,9 @@ def add_rms_norm(
     dim = x.shape[-1]
     block = triton.next_power_of_2(dim)
     _add_rms_norm_kernel[(x.numel() // dim,)](
-        x.contiguous(), delta.contiguous(), weight, total, out, eps,
-        D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, INTERPRETED=is_interpreting(),
-        num_warps=_num_warps(block), enable_fp_fusion=FP_FUSION,
+        x.contiguous(), delta, weight, total, out, eps, x.numel(),
+        D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, DELTA_SPLITS=splits,
+        INTERPRETED=is_interpreting(), num_warps=_num_warps(block), enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return total, out
 
@@ -238,9 +261,19 @@ def rms_norm_reference(
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool
+    x: torch.Tensor,
+    delta: torch.Tensor | SplitSums,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centred: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's add, then `RMSNorm.forward`'s arithmetic on the sum."""
+    """torch's add, then `RMSNorm.forward`'s arithmetic on the sum; split-K partial sums
+    added in split order in fp32 and rounded to bf16 first."""
+    if isinstance(delta, SplitSums):
+        summed = delta.partials[0].clone()
+        for partial in delta.partials[1:]:
+            summed += partial
+        delta = summed.to(torch.bfloat16).reshape(delta.shape)
     total = x + delta
     return total, norm_math.rms_norm(total, weight, eps, zero_centred)
 

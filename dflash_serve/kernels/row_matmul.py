@@ -37,7 +37,8 @@ from dflash_serve.checkpoint.int4_formats import (
     _unpack_nibbles,
 )
 from dflash_serve.kernels import FP_FUSION, is_interpreting
-from dflash_serve.kernels.jit_math import round_to
+from dflash_serve.kernels.jit_math import round_to, summed_splits
+from dflash_serve.layers.split_sums import SplitSums
 
 BLOCK_M = 16
 BLOCK_MS = (16, 64)
@@ -530,11 +531,23 @@ def _sum_splits_kernel(
 ):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
-    acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):
-        acc += tl.load(partial_ptr + split * M * N + offs, mask=mask, other=0.0)
+    acc = summed_splits(partial_ptr, offs, mask, M * N, SPLIT_K)
     out_ptrs = out_ptr + (offs // N) * stride_om + offs % N
     tl.store(out_ptrs, round_to(acc, tl.bfloat16, ROUND_ON_BITS), mask=mask)
+
+
+def sum_splits(partials: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 split-K partial sums [S, M, N] → bf16 [M, N] (`out` if given, unit last stride):
+    the splits added in order in fp32, then one rounding."""
+    splits, m, n = partials.shape
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=partials.device)
+    if m:
+        _sum_splits_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            partials, out, m, out.stride(0), N=n, SPLIT_K=splits, BLOCK=REDUCE_BLOCK,
+            ROUND_ON_BITS=is_interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION,
+        )  # fmt: skip
+    return out
 
 
 def row_matmul(
@@ -542,27 +555,35 @@ def row_matmul(
     weight: torch.Tensor | RepackedInt4,
     out: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
-) -> torch.Tensor:
+    keep_splits: bool = False,
+) -> torch.Tensor | SplitSums:
     """`x @ weightᵀ` with fp32 accumulation and one rounding to bf16; rows are independent.
 
     x: bf16 [M, K] with unit last stride; weight: bf16 [N, K] with unit last stride, or a
     `RepackedInt4` of [N, K]; out: optional bf16 [M, N] with unit last stride. Returns out
     (or a new [M, N] tensor). Row m of the result is bit-identical for any M. No host
     synchronisation; the only allocation (split-K partials) depends on shapes alone.
+    keep_splits: where the shape's configuration splits K, return the partial sums unsummed
+    (`SplitSums`, for a consumer that adds them up itself; `out` is then not written).
     """
     n, k = _check_weight(weight, x)
     _check_x(x, k)
     m = x.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    _check_out(out, m, n, x.device)
-    if m == 0:
-        return out
+    if keep_splits and out is not None:
+        raise ValueError("keep_splits: the partial sums are the result, give no out")
     is_int4 = isinstance(weight, RepackedInt4)
     if config is None:  # (explicit configs: tuning and tests only, never per call site)
         config = matmul_config(n, k, weight.group_size if is_int4 else None)
     if config.k_by_nibble and not (is_int4 and weight.group_size % config.block_k == 0):
         raise ValueError("k_by_nibble needs a 4-bit weight whose group size block_k divides")
+    if config.split_k > 1 and keep_splits and m:
+        out = None
+    elif out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    else:
+        _check_out(out, m, n, x.device)
+    if m == 0:
+        return out
     target = out
     if config.split_k > 1:
         target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
@@ -586,11 +607,10 @@ def row_matmul(
         x, *tensors, target, m, x.stride(0), stride_wn, stride_os, stride_om,
         GROUP_SIZE=group_size, IS_INT4=is_int4, **shape_args, **launch_args,
     )  # fmt: skip
+    if out is None:
+        return SplitSums(target, (m, n))
     if config.split_k > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            target, out, m, out.stride(0), N=n, SPLIT_K=config.split_k, BLOCK=REDUCE_BLOCK,
-            ROUND_ON_BITS=is_interpreted, num_warps=4, enable_fp_fusion=FP_FUSION,
-        )  # fmt: skip
+        sum_splits(target, out)
     return out
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from dflash_serve.checkpoint.int4_formats import PackedInt4Weight
 from dflash_serve.layers.int4_reads import INT4_READS
+from dflash_serve.layers.split_sums import SplitSums
 
 CPU_ROW_TILE = 4
 
@@ -41,6 +42,9 @@ class RowIndependentLinear(nn.Module):
 
     weight: torch.Tensor  # [out_features, in_features] in the compute dtype
     max_kernel_rows = 0
+    # On the kernel path, hand on split-K partial sums unsummed (`SplitSums`): set on the
+    # layers whose output only feeds the residual add, which sums them (`add_rms_norm`).
+    keeps_splits = False
 
     def use_row_kernel(self, max_rows: int) -> None:
         """Compute calls of at most `max_rows` rows with the row-independent Triton kernel."""
@@ -50,9 +54,9 @@ class RowIndependentLinear(nn.Module):
         """What `row_matmul` reads: the dense weight."""
         return self.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         if fits_row_kernel(x, self.max_kernel_rows):
-            return row_kernel_linear(x, self.kernel_weight())
+            return row_kernel_linear(x, self.kernel_weight(), self.keeps_splits)
         return row_stable_linear(x, self.weight)
 
 
@@ -71,12 +75,18 @@ def fits_row_kernel(x: torch.Tensor, max_rows: int) -> bool:
     return x.numel() <= max_rows * x.shape[-1]
 
 
-def row_kernel_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """x [..., K] through the Triton `row_matmul` (imported here: a GPU dependency)."""
+def row_kernel_linear(
+    x: torch.Tensor, weight, keep_splits: bool = False
+) -> torch.Tensor | SplitSums:
+    """x [..., K] through the Triton `row_matmul` (imported here: a GPU dependency);
+    keep_splits: split-K partial sums may be handed on unsummed."""
     from dflash_serve.kernels.row_matmul import row_matmul
 
-    out = row_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    out = row_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight, keep_splits=keep_splits)
+    shape = (*x.shape[:-1], out.shape[-1])
+    if isinstance(out, SplitSums):
+        return SplitSums(out.partials, shape)
+    return out.reshape(shape)
 
 
 class Int4Linear(RowIndependentLinear):

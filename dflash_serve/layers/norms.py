@@ -15,6 +15,7 @@ from torch import nn
 
 from dflash_serve.layers import norm_math
 from dflash_serve.layers.rotary import apply_rotary
+from dflash_serve.layers.split_sums import SplitSums, materialized
 
 
 class RMSNorm(nn.Module):
@@ -56,13 +57,14 @@ class RMSNorm(nn.Module):
         return apply_rotary(self(x), *cos_sin)
 
     def add_and_norm(
-        self, x: torch.Tensor, delta: torch.Tensor
+        self, x: torch.Tensor, delta: torch.Tensor | SplitSums
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): a residual add and the norm after it, one kernel on
-        the kernel path, bit for bit the two steps."""
+        the kernel path, bit for bit the two steps (delta's split-K partial sums, if it is
+        left as those, summed in the same kernel)."""
         if self.kernel is not None:
             return self.add_kernel(x, delta, self.weight, self.eps, self.zero_centred)
-        total = x + delta
+        total = x + materialized(delta)
         return total, self(total)
 
 

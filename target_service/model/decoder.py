@@ -16,6 +16,7 @@ from dflash_serve.layers.linear import (
 from dflash_serve.layers.mlp import SwiGLU
 from dflash_serve.layers.norms import GatedRMSNorm, RMSNorm
 from dflash_serve.layers.rotary import RotaryEmbedding
+from dflash_serve.layers.split_sums import SplitSums, materialized
 from dflash_serve.qwen35_config import FULL_ATTENTION, Qwen35TextConfig
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.gated_attention import GatedAttention
@@ -42,11 +43,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centred=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centred=True)
 
+    def hand_splits_to_residual_adds(self) -> None:
+        """The mixer's output projection and the MLP's down projection feed only the residual
+        adds after them, which sum split-K partial sums themselves (one launch less each)."""
+        mixer = self.self_attn.o_proj if self.is_attention else self.linear_attn.out_proj
+        for linear in (mixer, self.mlp.down_proj):
+            linear.keeps_splits = True
+
     def forward(
         self, h, pending: torch.Tensor | None, batch: ForwardBatch, state: TargetState, cos_sin
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | SplitSums]:
         """(h, pending) → (h, this layer's MLP output); the layer's output is their sum.
-        pending: the previous layer's MLP output, not yet added to h (None for layer 0)."""
+        pending: the previous layer's MLP output, not yet added to h (None for layer 0). On
+        the kernel path the mixer's and the MLP's outputs may be split-K partial sums, which
+        the add after them sums (`RowIndependentLinear.keeps_splits`)."""
         if pending is None:
             normed = self.input_layernorm(h)
         else:
@@ -95,6 +105,8 @@ class Qwen35TextModel(nn.Module):
         for module in self.modules():  # after every linear has its kernel weight
             if isinstance(module, SwiGLU | GatedDeltaNet | GatedAttention):
                 module.fuse_row_kernels()
+        for layer in self.layers:  # (here: the loader may have replaced them by 4-bit layers)
+            layer.hand_splits_to_residual_adds()
         from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
 
         self.max_kernel_rows = max_kernel_rows
@@ -123,7 +135,7 @@ class Qwen35TextModel(nn.Module):
         for layer_id, layer in enumerate(self.layers):
             h, pending = layer(h, pending, batch, state, cos_sin)
             if layer_id in tap_layer_ids:
-                taps[layer_id] = h + pending
+                taps[layer_id] = h + materialized(pending)
         tapped = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
         return self.norm.add_and_norm(h, pending)[1], tapped
 
