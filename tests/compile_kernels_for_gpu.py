@@ -176,6 +176,8 @@ def launch_every_variant() -> None:
     q, k_, v, g, beta, pool = recurrence_tests.make_inputs(2, 16, 2, 4, 128, 128, torch.bfloat16, 0)
     slots = torch.tensor([1, 3])
     recurrent_gated_delta(q, k_, v, g, beta, pool, pool, slots, out=torch.empty(v.shape))
+    bf16_out = torch.empty(v.shape, dtype=torch.bfloat16)  # the target's verify writes bf16
+    recurrent_gated_delta(q, k_, v, g, beta, pool, pool, slots, out=bf16_out)
     replayed = torch.tensor([5, 16], dtype=torch.int32)
     recurrent_gated_delta(k_.float(), k_.float(), v.float(), g, beta, pool, pool, slots, replayed)
 

@@ -158,6 +158,19 @@ def test_in_place_equals_out_of_place():
     assert torch.equal(in_place, expected_final)
 
 
+def test_bf16_outputs_are_the_fp32_outputs_rounded():
+    """Outputs written in bf16 are the fp32 outputs each rounded once (as `.to` rounds), and
+    the states do not change."""
+    q, k, v, g, beta, pool = make_inputs(2, 5, 2, 4, 16, 16, torch.bfloat16, seed=10)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    expected_out, expected_final = run(recurrent_gated_delta, q, k, v, g, beta, pool, slots)
+    final = pool.clone()
+    out = torch.empty(v.shape, dtype=torch.bfloat16, device=DEVICE)
+    recurrent_gated_delta(q, k, v, g, beta, pool, final, slots, out=out)
+    assert torch.equal(out, expected_out.to(torch.bfloat16))
+    assert torch.equal(final, expected_final)
+
+
 def _bad(name):
     q, k, v, g, beta, pool = make_inputs(2, 3, 2, 4, 8, 8, torch.float32, seed=0)
     args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_states=pool, final_states=pool.clone())
@@ -172,7 +185,7 @@ def _bad(name):
         "final_states": pool[:3].clone(),
         "slots": args["slots"].to(torch.int32),
         "num_tokens": torch.tensor([1, 2], device=DEVICE),
-        "out": torch.zeros(v.shape, dtype=torch.bfloat16, device=DEVICE),
+        "out": torch.zeros(v.shape, dtype=torch.float16, device=DEVICE),
     }
     args[name] = bad[name]
     return args

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash_serve.kernels import is_interpreting
+from dflash_serve.kernels.jit_math import round_to
 from target_service.model.delta_rule import (
     L2_NORM_EPS,
     expand_key_heads,
@@ -118,6 +120,7 @@ def _recurrent_gated_delta_kernel(
     EPS: tl.constexpr,
     HAS_NUM_TOKENS: tl.constexpr,
     HAS_OUT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -173,6 +176,7 @@ def _recurrent_gated_delta_kernel(
         if HAS_OUT:
             q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + EPS) * SCALE
             o = tl.sum(state * q[:, None], axis=0)
+            o = round_to(o, out_ptr.dtype.element_ty, INTERPRETED)
             tl.store(out_row + t * stride_out_t, o, mask=mask_v)
 
     final_tile = final_ptr + slot * stride_final_s + h * stride_final_h
@@ -199,7 +203,8 @@ def recurrent_gated_delta(
     bf16 or fp32; g (log decay, ≤ 0) and beta [B, T, Hv] fp32; initial_states and final_states
     [S, Hv, Dk, Dv] fp32 state pools (may be the same tensor); slots [B] int64, distinct;
     num_tokens [B] int32 (clamped to 0..T): only the first num_tokens[b] tokens of row b are
-    applied and written, None = all T; out [B, T, Hv, Dv] fp32, or None to write no outputs
+    applied and written, None = all T; out [B, T, Hv, Dv] fp32 or bf16 (each output computed
+    in fp32 and rounded once, as `.to(torch.bfloat16)` would), or None to write no outputs
     (replay). Rows beyond num_tokens[b] in `out` and slots not in `slots` are left untouched.
     No host sync and no allocation (T = 0 only copies the states, through a gather): safe
     to capture in a CUDA graph. launch: (BLOCK_V, num_warps) instead of the configuration
@@ -244,6 +249,7 @@ def recurrent_gated_delta(
         EPS=L2_NORM_EPS,
         HAS_NUM_TOKENS=num_tokens is not None,
         HAS_OUT=out is not None,
+        INTERPRETED=is_interpreting(),
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
@@ -295,7 +301,7 @@ def _check_arguments(q, k, v, g, beta, initial_states, final_states, slots, num_
         "beta": ((num_seqs, num_steps, num_value_heads), (torch.float32,)),
         "slots": ((num_seqs,), (torch.int64,)),
         "num_tokens": ((num_seqs,), (torch.int32,)),
-        "out": ((num_seqs, num_steps, num_value_heads, value_dim), (torch.float32,)),
+        "out": ((num_seqs, num_steps, num_value_heads, value_dim), (torch.float32, torch.bfloat16)),
     }
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "slots": slots}
     named |= {"initial_states": initial_states, "final_states": final_states}

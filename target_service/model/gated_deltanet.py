@@ -136,7 +136,8 @@ class GatedDeltaNet(nn.Module):
             state.block_betas[layer],
         )  # fmt: skip
         q, k, v = self._heads(conv_out)
-        out = torch.empty(v.shape, dtype=torch.float32, device=x.device)
+        # In the activations' dtype: the kernel rounds each output as the cast after it would.
+        out = torch.empty(v.shape, dtype=z.dtype, device=x.device)
         self.recurrence_kernel(
             q, k, v, gates[0], gates[1], state.recurrent_state[layer],
             state.block_final_state[layer], slots, out=out,
@@ -163,7 +164,7 @@ class GatedDeltaNet(nn.Module):
         if self.chunk_rule is not None:
             out = chunked_prefill(self.chunk_rule, q, k, v, gates[0], gates[1], pool, slots)
         else:
-            out = torch.empty(v.shape, dtype=torch.float32, device=x.device)
+            out = torch.empty(v.shape, dtype=z.dtype, device=x.device)
             self.recurrence_kernel(q, k, v, gates[0], gates[1], pool, pool, slots, out=out)
         return self._gated_output(out, z)
 
