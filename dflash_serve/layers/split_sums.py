@@ -24,10 +24,13 @@ class SplitSums:
     shape: tuple[int, ...]
 
     def total(self) -> torch.Tensor:
-        """The bf16 result, summed by `row_matmul`'s own sum kernel."""
-        from dflash_serve.kernels.row_matmul import sum_splits
-
-        return sum_splits(self.partials).reshape(self.shape)
+        """The bf16 result in plain torch: the same fp32 additions in the same order and the
+        same rounding as the kernels that sum splits, so bit for bit theirs (a fallback: on
+        the kernel path the residual add sums them)."""
+        summed = self.partials[0].clone()
+        for partial in self.partials[1:]:
+            summed += partial
+        return summed.to(torch.bfloat16).reshape(self.shape)
 
 
 def materialized(x: torch.Tensor | SplitSums) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dflash_serve.layers.linear import (
 from dflash_serve.layers.mlp import SwiGLU
 from dflash_serve.layers.norms import GatedRMSNorm, RMSNorm
 from dflash_serve.layers.rotary import RotaryEmbedding
-from dflash_serve.layers.split_sums import SplitSums, materialized
+from dflash_serve.layers.split_sums import SplitSums
 from dflash_serve.qwen35_config import FULL_ATTENTION, Qwen35TextConfig
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.gated_attention import GatedAttention
@@ -52,21 +52,23 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, h, pending: torch.Tensor | None, batch: ForwardBatch, state: TargetState, cos_sin
-    ) -> tuple[torch.Tensor, torch.Tensor | SplitSums]:
-        """(h, pending) → (h, this layer's MLP output); the layer's output is their sum.
-        pending: the previous layer's MLP output, not yet added to h (None for layer 0). On
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | SplitSums]:
+        """(h, pending) → (the previous layer's output h + pending, h, this layer's MLP
+        output); this layer's output is the sum of the last two. pending: the previous
+        layer's MLP output, not yet added to h (None for layer 0: the first result is h). On
         the kernel path the mixer's and the MLP's outputs may be split-K partial sums, which
         the add after them sums (`RowIndependentLinear.keeps_splits`)."""
         if pending is None:
             normed = self.input_layernorm(h)
         else:
             h, normed = self.input_layernorm.add_and_norm(h, pending)
+        layer_input = h
         if self.is_attention:
             mixed = self.self_attn(normed, batch, state, cos_sin)
         else:
             mixed = self.linear_attn(normed, batch, state)
         h, normed = self.post_attention_layernorm.add_and_norm(h, mixed)
-        return h, self.mlp(normed)
+        return layer_input, h, self.mlp(normed)
 
 
 class Qwen35TextModel(nn.Module):
@@ -131,13 +133,12 @@ class Qwen35TextModel(nn.Module):
         """
         h, pending = self.embed_tokens(token_ids), None
         cos_sin = self.rotary.cos_sin(batch.positions(token_ids.device))
-        taps = {}
+        outputs = {}  # a layer's output is the next residual add's sum: no add of its own
         for layer_id, layer in enumerate(self.layers):
-            h, pending = layer(h, pending, batch, state, cos_sin)
-            if layer_id in tap_layer_ids:
-                taps[layer_id] = h + materialized(pending)
-        tapped = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
-        return self.norm.add_and_norm(h, pending)[1], tapped
+            outputs[layer_id - 1], h, pending = layer(h, pending, batch, state, cos_sin)
+        outputs[len(self.layers) - 1], final = self.norm.add_and_norm(h, pending)
+        tapped = torch.cat([outputs[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
+        return final, tapped
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., hidden] → fp32 logits [..., vocab]."""
