@@ -22,7 +22,7 @@ from triton.language.extra import libdevice
 from dflash_serve.kernels import FP_FUSION, is_interpreting
 from dflash_serve.kernels.jit_math import exact_exp, round_to, summed_splits
 from dflash_serve.layers import norm_math
-from dflash_serve.layers.split_sums import SplitSums
+from dflash_serve.layers.split_sums import SplitSums, materialized
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -268,13 +268,8 @@ def add_rms_norm_reference(
     zero_centred: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's add, then `RMSNorm.forward`'s arithmetic on the sum; split-K partial sums
-    added in split order in fp32 and rounded to bf16 first."""
-    if isinstance(delta, SplitSums):
-        summed = delta.partials[0].clone()
-        for partial in delta.partials[1:]:
-            summed += partial
-        delta = summed.to(torch.bfloat16).reshape(delta.shape)
-    total = x + delta
+    added in split order in fp32 and rounded to bf16 first (`SplitSums.total`, plain torch)."""
+    total = x + materialized(delta)
     return total, norm_math.rms_norm(total, weight, eps, zero_centred)
 
 
