@@ -7,6 +7,7 @@ their count per replay. A diagnostic for choosing what to fuse, not a benchmark 
 (bench.suite is). Needs a GPU.
 
     python -m bench.profile_graphs [--layout bf16] [--verify-batches 1 8] [--draft-batches 1 8]
+                                   [--int4-reads bf16 int4]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dflash_serve.checkpoint.synthetic import (
     write_drafter,
     write_target,
 )
+from dflash_serve.layers.int4_reads import INT4_READS
 
 PROFILED_REPLAYS = 5
 
@@ -69,18 +71,21 @@ def main() -> None:
     parser.add_argument("--verify-batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--draft-batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--int4-reads", nargs="*", default=[INT4_READS[0]], choices=INT4_READS,
+                        help="what 4-bit layers read, one verify profile each")  # fmt: skip
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="dflash-graphs-"))
     target_dir = write_target(workdir / "t", QWEN35_4B_TEXT, args.layout, device="cuda")
     max_batch = max([1, *args.verify_batches, *args.draft_batches])
-    if args.verify_batches:
+    for reads in args.int4_reads if args.verify_batches else ():
         taps = tuple(DFLASH_4B["dflash_config"]["target_layer_ids"])
-        target = build_target(target_dir, max_batch, 1024, "cuda", taps)
+        target = build_target(target_dir, max_batch, 1024, "cuda", taps, int4_reads=reads)
         for _ in range(max_batch):
             target.prefill(target.open_sequence(), [(i * 31) % 500 for i in range(512)])
         for batch in args.verify_batches:
             graph = target.graphs.graphs.captured[(batch, BLOCK)].graph
-            kernel_report(f"verify graph, {args.layout}, batch {batch}", graph.replay, args.top)
+            name = f"verify graph, {args.layout}, int4 reads {reads}, batch {batch}"
+            kernel_report(name, graph.replay, args.top)
         del target
         torch.cuda.empty_cache()
     if args.draft_batches:

@@ -25,6 +25,26 @@ def median_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> f
     return statistics.median(times)
 
 
+def graph_us_per_call(call: Callable[[int], object], num_calls: int = 20) -> float:
+    """Median GPU µs per call over 5 replays of one CUDA graph of call(0) … call(num_calls - 1)
+    (no launch overhead between them); call(0) runs once first, outside the graph."""
+    call(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for index in range(num_calls):
+            call(index)
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / num_calls)
+    return sorted(times)[len(times) // 2]
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -80,12 +80,13 @@ def launch_every_variant() -> None:
     from dflash_serve.kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
     from dflash_serve.kernels.row_matmul import (
         MatmulConfig,
-        RepackedInt4,
         matmul_config,
         row_matmul,
         tuned_configs,
     )
     from dflash_serve.kernels.silu_mul import silu_mul
+    from dflash_serve.kernels.w4a16_matmul import PlanarInt4, W4A16Config, w4a16_matmul
+    from dflash_serve.kernels.w4a16_matmul import tuned_configs as w4a16_tuned
     from dflash_serve.layers.split_sums import SplitSums
     from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
     from target_service.kernels.gdn_inputs import prepare_gdn_inputs, prepare_gdn_prefill_inputs
@@ -93,46 +94,49 @@ def launch_every_variant() -> None:
     from tests import test_kernel_gated_delta_recurrence as recurrence_tests
     from tests import test_kernel_gdn_inputs as gdn_tests
     from tests import test_kernel_row_matmul as matmul_tests
+    from tests import test_kernel_w4a16_matmul as w4a16_tests
 
-    n, k, group = matmul_tests.SHAPES[1]
+    n, k = matmul_tests.SHAPES[1]
     x = matmul_tests.random_rows(20, k, seed=0)
-    for kind, group_size in (("dense", None), ("awq", group)):
-        weight, _ = matmul_tests.make_weight(kind, n, k, group)
-        base = matmul_config(n, k, group_size)
-        tilings = ((16, 1), (16, 4), (16, 8), (64, 1), (64, 2))
-        for (block_m, row_tiles), swap_ab in itertools.product(tilings, (False, True)):
-            for split_k in sorted({1, base.split_k}):
-                per_split = k if split_k == 1 else base.k_per_split
-                config = dataclasses.replace(
-                    base, block_m=block_m, row_tiles=row_tiles, split_k=split_k,
-                    k_per_split=per_split, swap_ab=swap_ab,
-                )  # fmt: skip
-                row_matmul(x, weight, config=config)
-    n, k, group = 40, 640, 128  # nibble planes: 4-bit tiles of 128 inputs
-    weight, _ = matmul_tests.make_weight("awq", n, k, group)
-    x = matmul_tests.random_rows(20, k, seed=0)
-    for swap_ab, block_m in itertools.product((False, True), (16, 64)):
-        config = MatmulConfig.over_splits(k, 64, 128, 2, 1, block_m, swap_ab=swap_ab,
-                                          k_by_nibble=True)  # fmt: skip
-        row_matmul(x, weight, config=config)
+    weight = matmul_tests.make_weight(n, k)
+    base = matmul_config(n, k)
+    tilings = ((16, 1), (16, 4), (16, 8), (64, 1), (64, 2))
+    for (block_m, row_tiles), swap_ab in itertools.product(tilings, (False, True)):
+        for split_k in sorted({1, base.split_k}):
+            per_split = k if split_k == 1 else base.k_per_split
+            config = dataclasses.replace(
+                base, block_m=block_m, row_tiles=row_tiles, split_k=split_k,
+                k_per_split=per_split, swap_ab=swap_ab,
+            )  # fmt: skip
+            row_matmul(x, weight, config=config)
     for key, tuned in tuned_configs().items():  # the configurations the H200 runs
-        config = MatmulConfig(**tuned)
-        kind, shape, *group_part = key.split(":")
-        n, k = (int(size) for size in shape.split("x"))
+        n, k = (int(size) for size in key.split(":")[1].split("x"))
         x = torch.empty(16, k, dtype=torch.bfloat16)  # never touched: nothing runs
-        if kind == "dense":
-            row_matmul(x, torch.empty(n, k, dtype=torch.bfloat16), config=config)
-            continue
-        group = int(group_part[0][1:])
-        weight = RepackedInt4(
-            qweight=torch.empty(k // 8, n, dtype=torch.int32),
+        row_matmul(x, torch.empty(n, k, dtype=torch.bfloat16), config=MatmulConfig(**tuned))
+    # W4A16: each group size's planes-per-group path, a ragged K, 16/32/64-row tiles, split-K
+    # 1 and > 1, then every tuned configuration.
+    for shape in w4a16_tests.SHAPES:
+        weight, _, config = w4a16_tests.planar_case("awq", shape)
+        x = w4a16_tests.random_rows(20, shape[1], seed=0)
+        w4a16_matmul(x, weight, config=config)
+    weight, _, _ = w4a16_tests.planar_case("awq", (64, 1280, 128))
+    x = w4a16_tests.random_rows(20, 1280, seed=0)
+    for block_m, tiles_per_split in itertools.product((16, 32, 64), (5, 2)):
+        config = W4A16Config.over_splits(weight.num_tiles, tiles_per_split, block_n=64,
+                                         block_m=block_m)  # fmt: skip
+        w4a16_matmul(x, weight, config=config)
+    for key, tuned in w4a16_tuned().items():
+        n, k = (int(size) for size in key.split(":")[0].split("x"))
+        group = int(key.split(":g")[1])
+        weight = PlanarInt4(
+            words=torch.empty(k // 8, n, dtype=torch.int32),
             scales=torch.empty(k // group, n),
             zeros=torch.empty(k // group, n, dtype=torch.uint8),
             out_features=n,
             in_features=k,
             group_size=group,
         )
-        row_matmul(x, weight, config=config)
+        w4a16_matmul(torch.empty(16, k, dtype=torch.bfloat16), weight, config=W4A16Config(**tuned))
     rows = torch.randn(4, 64, dtype=torch.bfloat16)
     for zero_centred in (False, True):
         rms_norm(rows, torch.ones(64), 1e-6, zero_centred)

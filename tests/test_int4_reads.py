@@ -1,7 +1,8 @@
 """What the row kernel reads for a 4-bit layer: its bf16 copy (default) or the packed bits.
 
-Both rebuild the same bf16 weight, so both must give the reference product (the bf16 copy
-reads no repacked tensors at all); the choice reaches the service from `--int4-reads`.
+Both must give the reference product: the bf16 copy (which reads no repacked tensors at all)
+that of the bf16-rounded weight, the packed bits (`w4a16_matmul`) that of the exact fp32
+weight; the choice reaches the service from `--int4-reads`.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import torch
 
 from dflash_serve.checkpoint.int4_formats import AWQ_GEMM, PackedInt4Weight, pack_awq_gemm
 from dflash_serve.errors import ConfigError
-from dflash_serve.kernels.row_matmul import RepackedInt4, row_matmul_reference
+from dflash_serve.kernels.w4a16_matmul import PlanarInt4
 from dflash_serve.layers.linear import Int4Linear
 from launcher.main import build_parser
 from target_service.config import TargetServiceConfig
 
 pytest.importorskip("triton")
 
-N, K, GROUP = 40, 64, 32
+N, K, GROUP = 40, 320, 32
 
 
 def int4_layer() -> Int4Linear:
@@ -34,11 +35,13 @@ def test_both_reads_give_the_dequantized_product(reads):
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).bfloat16()
     if reads == "bf16":
         assert layer.kernel_weight() is layer.weight and layer.repacked is None
+        weight = layer.packed.dequantize(torch.bfloat16)
     else:
-        assert isinstance(layer.kernel_weight(), RepackedInt4)
+        assert isinstance(layer.kernel_weight(), PlanarInt4)
+        weight = layer.packed.dequantize(torch.float32)
     with torch.inference_mode():
         y = layer(x)
-    reference = row_matmul_reference(x, layer.packed.dequantize(torch.bfloat16))
+    reference = x.float() @ weight.float().t()
     scale = reference.abs().max().item()
     torch.testing.assert_close(y.float(), reference, rtol=2**-8, atol=2**-10 * scale)
 

@@ -13,10 +13,13 @@ import subprocess
 import sys
 
 from dflash_serve.kernels.row_matmul import tuned_configs
+from dflash_serve.kernels.w4a16_matmul import tuned_configs as w4a16_tuned_configs
+from tests.test_kernel_w4a16_matmul import SHAPES as W4A16_SHAPES
 
 KERNELS = [
     "_row_matmul_kernel",
     "_sum_splits_kernel",
+    "_w4a16_kernel",
     "_rms_norm_kernel",
     "_gated_rms_norm_kernel",
     "_add_rms_norm_kernel",
@@ -46,10 +49,12 @@ def test_every_kernel_compiles_for_sm90():
     row_matmul_variants = [
         line for line in result.stdout.splitlines() if "_row_matmul_kernel" in line
     ]
-    # dense and 4-bit × (16-row tiles 1/4/8 per program, 64-row tiles 1/2) × split-K 1/3 ×
-    # plain and swapped operands, 4-bit nibble planes × both orders × 16/64-row tiles, then
-    # every tuned configuration
-    assert len(row_matmul_variants) == 40 + 4 + len(tuned_configs())
+    # (16-row tiles 1/4/8 per program, 64-row tiles 1/2) × split-K 1/3 × plain and swapped
+    # operands, then every tuned configuration
+    assert len(row_matmul_variants) == 20 + len(tuned_configs())
+    w4a16_variants = [line for line in result.stdout.splitlines() if "_w4a16_kernel" in line]
+    # the test shapes, 16/32/64-row tiles × two splits, then every tuned configuration
+    assert len(w4a16_variants) == len(W4A16_SHAPES) + 6 + len(w4a16_tuned_configs())
 
 
 def test_a_kernel_the_gpu_compiler_rejects_fails_the_check():

@@ -44,12 +44,7 @@ class PackedInt4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K]: (q - z) * s is exact in fp32, so only the final cast rounds."""
-        if self.format == AWQ_GEMM:
-            return _dequantize_awq(self.tensors, self.group_size).to(dtype)
-        if self.format == COMPRESSED_TENSORS:
-            n, k = self.out_features, self.in_features
-            return _dequantize_ct(self.tensors, n, k, self.group_size).to(dtype)
-        raise ValueError(f"format: unknown {self.format!r}")
+        return _dequantize(self).to(dtype)
 
 
 def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -67,22 +62,29 @@ def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _dequantize_awq(tensors: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
-    q = _unpack_nibbles(tensors["qweight"])[..., AWQ_NIBBLE_OF_COLUMN].flatten(1)
-    zeros = _unpack_nibbles(tensors["qzeros"])[..., AWQ_NIBBLE_OF_COLUMN].flatten(1)
-    zeros = zeros.repeat_interleave(group_size, dim=0)
-    scales = tensors["scales"].float().repeat_interleave(group_size, dim=0)
+def unpack_int4(packed: PackedInt4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Either format as (q int64 [K, N], zeros int64 [K/g, N], scales [K/g, N] as stored):
+    W[n, k] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n]."""
+    tensors, n, k = packed.tensors, packed.out_features, packed.in_features
+    if packed.format == AWQ_GEMM:
+        q = _unpack_nibbles(tensors["qweight"])[..., AWQ_NIBBLE_OF_COLUMN].flatten(1)
+        zeros = _unpack_nibbles(tensors["qzeros"])[..., AWQ_NIBBLE_OF_COLUMN].flatten(1)
+        return q, zeros, tensors["scales"]
+    if packed.format == COMPRESSED_TENSORS:
+        q = _unpack_nibbles(tensors["weight_packed"]).flatten(1)[:, :k].t()
+        if "weight_zero_point" in tensors:
+            zeros = _unpack_nibbles(tensors["weight_zero_point"].t()).flatten(1)[:, :n]
+        else:
+            zeros = torch.full((k // packed.group_size, n), CT_OFFSET, device=q.device)
+        return q, zeros, tensors["weight_scale"].t()
+    raise ValueError(f"packed: unknown format {packed.format!r}")
+
+
+def _dequantize(packed: PackedInt4Weight) -> torch.Tensor:
+    q, zeros, scales = unpack_int4(packed)
+    zeros = zeros.repeat_interleave(packed.group_size, dim=0)
+    scales = scales.float().repeat_interleave(packed.group_size, dim=0)
     return ((q - zeros).float() * scales).t().contiguous()
-
-
-def _dequantize_ct(tensors: dict, n: int, k: int, group_size: int) -> torch.Tensor:
-    u = _unpack_nibbles(tensors["weight_packed"]).flatten(1)[:, :k]
-    zeros = torch.full_like(u, CT_OFFSET)
-    if "weight_zero_point" in tensors:
-        zeros_t = _unpack_nibbles(tensors["weight_zero_point"].t()).flatten(1)[:, :n]
-        zeros = zeros_t.t().repeat_interleave(group_size, dim=1)
-    scales = tensors["weight_scale"].float().repeat_interleave(group_size, dim=1)
-    return (u - zeros).float() * scales
 
 
 def detect_linear_format(reader, prefix: str) -> str:

@@ -1,5 +1,6 @@
-"""Triton device functions several kernels share: an exp that matches torch's, and fp32
-rounding to a narrower dtype that Triton's interpreter gets right.
+"""Triton device functions several kernels share: an exp that matches torch's, fp32
+rounding to a narrower dtype that Triton's interpreter gets right, and the matmuls' dot and
+tile store.
 
 On the GPU `exact_exp` is libdevice's `expf` (what torch's CUDA kernels call; `tl.exp` is
 approximate there) and `round_to` is the plain round-to-nearest-even cast. Triton's CPU
@@ -39,3 +40,37 @@ def summed_splits(partial_ptr, offs, mask, split_stride, SPLIT_K: tl.constexpr):
     for split in tl.static_range(1, SPLIT_K):
         acc += tl.load(partial_ptr + split * split_stride + offs, mask=mask, other=0.0)
     return acc
+
+
+@triton.jit
+def dot_in(a, b, acc, DOT_IN_FP32: tl.constexpr):
+    """acc + a @ b; DOT_IN_FP32 (the interpreter, whose bf16 dot is wrong) multiplies fp32
+    copies, in which products of bf16 values are exact."""
+    if DOT_IN_FP32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def store_row_tile(
+    out_ptr, acc, row0, offs_n, M, N, stride_os, stride_om,
+    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+):  # fmt: skip
+    """A matmul's fp32 tile of rows row0.. into bf16 out [M, N], or as fp32 into split
+    `program_id(2)` of the partials [SPLIT_K, M, N] (SWAP_AB: acc is the tile transposed,
+    [BLOCK_N, BLOCK_M])."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    split_ptr = out_ptr + tl.program_id(2) * stride_os
+    if SWAP_AB:
+        ptrs = split_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    else:
+        ptrs = split_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLIT_K > 1:
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        tl.store(ptrs, round_to(acc, tl.bfloat16, ROUND_ON_BITS), mask=mask)

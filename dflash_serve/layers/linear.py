@@ -75,14 +75,25 @@ def fits_row_kernel(x: torch.Tensor, max_rows: int) -> bool:
     return x.numel() <= max_rows * x.shape[-1]
 
 
+def row_kernel_matmul(rows: torch.Tensor, weight, keep_splits: bool = False):
+    """rows [M, K] @ weightᵀ through the row-independent kernel that reads `weight`: the
+    Triton `row_matmul` for a bf16 weight, `w4a16_matmul` for a `PlanarInt4` (imported here:
+    GPU dependencies)."""
+    from dflash_serve.kernels.w4a16_matmul import PlanarInt4, w4a16_matmul
+
+    if isinstance(weight, PlanarInt4):
+        return w4a16_matmul(rows, weight, keep_splits=keep_splits)
+    from dflash_serve.kernels.row_matmul import row_matmul
+
+    return row_matmul(rows, weight, keep_splits=keep_splits)
+
+
 def row_kernel_linear(
     x: torch.Tensor, weight, keep_splits: bool = False
 ) -> torch.Tensor | SplitSums:
-    """x [..., K] through the Triton `row_matmul` (imported here: a GPU dependency);
-    keep_splits: split-K partial sums may be handed on unsummed."""
-    from dflash_serve.kernels.row_matmul import row_matmul
-
-    out = row_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight, keep_splits=keep_splits)
+    """x [..., K] through `row_kernel_matmul`; keep_splits: split-K partial sums may be
+    handed on unsummed."""
+    out = row_kernel_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight, keep_splits)
     shape = (*x.shape[:-1], out.shape[-1])
     if isinstance(out, SplitSums):
         return SplitSums(out.partials, shape)
@@ -94,8 +105,8 @@ class Int4Linear(RowIndependentLinear):
 
     The dequantized weight serves the reference path and large (prefill) calls through
     cuBLAS. On verify and decode the row kernel reads either that bf16 weight or, with
-    `use_row_kernel(rows, "int4")`, the 4-bit tensors repacked once for the Triton W4A16
-    kernel (4 bits per weight; see INT4_READS). Both rebuild the same bf16 weight.
+    `use_row_kernel(rows, "int4")`, the 4-bit tensors repacked once for the W4A16 kernel
+    (`w4a16_matmul`, 4 bits per weight; see INT4_READS).
     """
 
     def __init__(self, packed: PackedInt4Weight, compute_dtype: torch.dtype) -> None:
@@ -111,11 +122,11 @@ class Int4Linear(RowIndependentLinear):
             raise ValueError(f"reads must be one of {INT4_READS}, got {reads!r}")
         self.repacked = None
         if reads == "int4":
-            from dflash_serve.kernels.row_matmul import repack_int4
+            from dflash_serve.kernels.w4a16_matmul import repack_planar
 
             device = self.weight.device
             on_device = {name: t.to(device) for name, t in self.packed.tensors.items()}
-            self.repacked = repack_int4(replace(self.packed, tensors=on_device))
+            self.repacked = repack_planar(replace(self.packed, tensors=on_device))
         self.max_kernel_rows = max_rows
 
     def kernel_weight(self):
@@ -144,21 +155,21 @@ class RowKernelGroup:
     """
 
     def __init__(self, linears: list[RowIndependentLinear]) -> None:
-        from dflash_serve.kernels.row_matmul import RepackedInt4, concat_repacked
+        from dflash_serve.kernels.w4a16_matmul import PlanarInt4, concat_planar
 
         self.linears = linears
         self.max_kernel_rows = min(linear.max_kernel_rows for linear in linears)
         kinds: dict[object, list[int]] = {}
         for index, linear in enumerate(linears):
             weight = linear.kernel_weight()
-            kind = weight.group_size if isinstance(weight, RepackedInt4) else weight.dtype
+            kind = weight.group_size if isinstance(weight, PlanarInt4) else weight.dtype
             kinds.setdefault(kind, []).append(index)
         self.calls = []
         for indices in kinds.values():
             members = [linears[i] for i in indices]
             sizes = [linear.out_features for linear in members]
-            if isinstance(members[0].kernel_weight(), RepackedInt4):
-                stacked = concat_repacked([linear.kernel_weight() for linear in members])
+            if isinstance(members[0].kernel_weight(), PlanarInt4):
+                stacked = concat_planar([linear.kernel_weight() for linear in members])
             else:
                 stacked = stack_dense_weights(members)
             self.calls.append((indices, stacked, sizes))
@@ -174,22 +185,18 @@ class RowKernelGroup:
     def stacked(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] → the members' outputs side by side [..., ΣN_i], in the order given, from
         one matmul (needs `is_one_matmul`)."""
-        from dflash_serve.kernels.row_matmul import row_matmul
-
         if not self.is_one_matmul:
             raise ValueError("stacked: the group's linears are of more than one kind")
         _indices, weight, _sizes = self.calls[0]
-        out = row_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+        out = row_kernel_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [..., K] → each linear's output [..., N_i], in the order given (possibly views)."""
-        from dflash_serve.kernels.row_matmul import row_matmul
-
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         outputs: list[torch.Tensor | None] = [None] * len(self.linears)
         for indices, stacked, sizes in self.calls:
-            stacked_out = row_matmul(rows, stacked)
+            stacked_out = row_kernel_matmul(rows, stacked)
             for index, part in zip(indices, stacked_out.split(sizes, dim=-1), strict=True):
                 outputs[index] = part.reshape(*x.shape[:-1], part.shape[-1])
         return outputs

@@ -1,0 +1,209 @@
+"""Pick `w4a16_matmul`'s launch config per Qwen3.5-4B 4-bit weight shape by measuring on this
+GPU, beside the alternatives: `row_matmul` on the layer's bf16 copy (the default reads) and
+torch's tinygemm (`_weight_int4pack_mm`, whose rows are independent too, for scale).
+
+Each candidate is timed as a CUDA graph of 20 calls at 16 rows (one verify block) and 128
+rows (8 blocks); each call reads another copy of the weight (copies for 256 MB, four times
+the H200's L2), so weights stream from HBM as in a verify step. The best by t16 + t128 / 4
+is checked against the fp32 product and for row independence, then written to
+dflash_serve/kernels/w4a16_configs.json with its timings and commit; `--out` records every
+kernel's timings. Candidates compile in parallel worker processes first.
+
+    python -m bench.tune_w4a16 [--jobs 16] [--out w4a16.json] [--shapes 18432x2560 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import multiprocessing
+import sys
+
+import torch
+import triton
+
+from bench.timing import graph_us_per_call, run_facts
+from dflash_serve.checkpoint.int4_formats import AWQ_GEMM, PackedInt4Weight
+from dflash_serve.kernels.row_matmul import row_matmul
+from dflash_serve.kernels.w4a16_matmul import (
+    BLOCK_MS,
+    TILE_K,
+    TUNED_CONFIGS_PATH,
+    PlanarInt4,
+    W4A16Config,
+    config_key,
+    repack_planar,
+    w4a16_matmul,
+    w4a16_reference,
+)
+
+# (N, K) of the 4-bit calls a Qwen3.5-4B verify makes with every large linear 4-bit: gate+up,
+# down, the GDN input (q, k, v, z) and attention (q, k, v) projections stacked, the mixers'
+# output projections.
+SHAPES = [(18432, 2560), (2560, 9216), (12288, 2560), (10240, 2560), (2560, 4096)]
+GROUP = 128
+CALLS_PER_GRAPH = 20
+BYTES_ROTATED = 256 * 1024**2
+SCHEDULES = ((4, 3), (4, 4), (8, 3))
+
+
+def candidates(n: int, k: int) -> list[W4A16Config]:
+    """64 or 128 outputs by 16, 32 or 64 rows a program, K split for at least 2 or 4
+    programs per SM, each with every (warps, stages) of SCHEDULES."""
+    configs = {}
+    grid = itertools.product((64, 128), BLOCK_MS, (264, 528), SCHEDULES)
+    for block_n, block_m, min_programs, (warps, stages) in grid:
+        num_tiles = triton.cdiv(k, TILE_K)
+        columns = triton.cdiv(n, block_n)
+        per_split = num_tiles
+        while columns * triton.cdiv(num_tiles, per_split) < min_programs and per_split > 2:
+            per_split -= 1
+        config = W4A16Config.over_splits(
+            num_tiles, per_split, block_n=block_n, block_m=block_m, num_warps=warps,
+            num_stages=stages,
+        )  # fmt: skip
+        configs[config] = None
+    return list(configs)
+
+
+def random_packed(n: int, k: int, device: str = "cuda") -> PackedInt4Weight:
+    """AutoAWQ tensors of random bits (timing needs no real weights)."""
+    words = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, device=device,  # noqa: E731
+                                         dtype=torch.int32)  # fmt: skip
+    tensors = {
+        "qweight": words(k, n // 8),
+        "qzeros": words(k // GROUP, n // 8),
+        "scales": (torch.rand(k // GROUP, n, device=device) / 64).half(),
+    }
+    return PackedInt4Weight(AWQ_GEMM, n, k, GROUP, tensors)
+
+
+def copies_for(num_bytes: int) -> int:
+    return max(2, min(64, triton.cdiv(BYTES_ROTATED, num_bytes)))
+
+
+def compile_job(job) -> int:
+    """Worker: run every candidate of one shape once (compiles into the disk cache)."""
+    n, k, configs = job
+    weight = repack_planar(random_packed(n, k))
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    for config in configs:
+        w4a16_matmul(x, weight, config=config)
+    torch.cuda.synchronize()
+    return len(configs)
+
+
+def graph_us(call, copies: list, rows: torch.Tensor) -> float:
+    """Median µs per call of `call(rows, weight)`, each call reading the next weight copy."""
+    return graph_us_per_call(lambda index: call(rows, copies[index % len(copies)]),
+                             CALLS_PER_GRAPH)  # fmt: skip
+
+
+def timed(call, copies: list, rows: dict) -> dict:
+    return {f"us_{m}_rows": graph_us(call, copies, x) for m, x in rows.items()}
+
+
+def tinygemm_copies(packed: PackedInt4Weight, num: int) -> list | str:
+    """torch's tinygemm operands (same bytes per weight; values need not match), or why not."""
+    n, k = packed.out_features, packed.in_features
+    try:
+        nibbles = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8)
+        weight = torch.ops.aten._convert_weight_to_int4pack(nibbles, 8)
+        scales_zeros = torch.rand(k // GROUP, n, 2, device="cuda").bfloat16()
+        return [(weight.clone(), scales_zeros.clone()) for _ in range(num)]
+    except (RuntimeError, AttributeError) as error:
+        return f"{type(error).__name__}: {error}"[:300]
+
+
+def tinygemm(x: torch.Tensor, operands) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm(x, operands[0], GROUP, operands[1])
+
+
+def rows_independent(call, weight, x: torch.Tensor) -> bool:
+    """Rows of a 128-row call against 16-row and 1-row calls, bit for bit."""
+    y128 = call(x, weight)
+    same = torch.equal(call(x[:16], weight), y128[:16])
+    return same and all(torch.equal(call(x[r : r + 1], weight)[0], y128[r]) for r in (0, 77))
+
+
+def check(weight: PlanarInt4, config: W4A16Config) -> dict:
+    """The winner against the fp32 product, and its rows against other launches'."""
+    x = torch.randn(128, weight.in_features, device="cuda", dtype=torch.bfloat16)
+    call = lambda rows, w: w4a16_matmul(rows, w, config=config)  # noqa: E731
+    reference = w4a16_reference(x, weight)
+    error = (call(x, weight).float() - reference).abs().max().item()
+    return {"max_error_over_max_ref": error / reference.abs().max().item(),
+            "rows_independent": rows_independent(call, weight, x)}  # fmt: skip
+
+
+def baselines(n: int, k: int, packed: PackedInt4Weight, rows: dict) -> dict:
+    dense = packed.dequantize(torch.bfloat16)
+    results = {}
+    dense_copies = [dense.clone() for _ in range(copies_for(dense.nbytes))]
+    results["row_matmul_bf16_copy"] = timed(row_matmul, dense_copies, rows)
+    del dense_copies
+    operands = tinygemm_copies(packed, copies_for(n * k // 2))
+    if isinstance(operands, str):
+        results["tinygemm"] = {"error": operands}
+    else:
+        results["tinygemm"] = timed(tinygemm, operands, rows)
+        results["tinygemm"]["rows_independent"] = rows_independent(tinygemm, operands[0],
+                                                                   rows[128])  # fmt: skip
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=16)
+    parser.add_argument("--out", help="also write every kernel's timings here (JSON)")
+    parser.add_argument("--shapes", nargs="*", help="NxK items; default: the 4B verify's")
+    args = parser.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(size) for size in item.split("x")) for item in args.shapes]
+    facts = run_facts("python -m bench.tune_w4a16 " + " ".join(sys.argv[1:]))
+    todo = [(n, k, candidates(n, k)) for n, k in shapes]
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(args.jobs) as pool:
+        print("compiled", sum(pool.map(compile_job, todo)), "candidates", flush=True)
+    kept = json.loads(TUNED_CONFIGS_PATH.read_text()) if TUNED_CONFIGS_PATH.exists() else {}
+    chosen, timings = dict(kept.get("configs", {})), dict(kept.get("timings_us", {}))
+    record = {}
+    for n, k, configs in todo:
+        packed = random_packed(n, k)
+        rows = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (16, 128)}
+        copies = [repack_planar(packed) for _ in range(copies_for(n * k // 2))]
+        results = []
+        for config in configs:
+            call = lambda x, w, c=config: w4a16_matmul(x, w, config=c)  # noqa: E731
+            times = timed(call, copies, rows)
+            results.append((times["us_16_rows"] + times["us_128_rows"] / 4, times, config))
+        results.sort(key=lambda result: result[0])
+        _, best_times, best = results[0]
+        key = config_key(n, k, GROUP)
+        chosen[key] = dataclasses.asdict(best)
+        gbps = n * k // 2 / best_times["us_16_rows"] / 1e3
+        timings[key] = {"commit": facts["commit"], **best_times, "gbps_16_rows": gbps,
+                        "candidates": len(results)}  # fmt: skip
+        del copies
+        record[key] = {
+            "best": chosen[key] | best_times | {"gbps_16_rows": gbps},
+            "check": check(repack_planar(packed), best),
+            "top": [dataclasses.asdict(c) | t for _, t, c in results[:8]],
+            "baselines": baselines(n, k, packed, rows),
+        }
+        print(key, json.dumps(record[key]["best"]), json.dumps(record[key]["check"]),
+              json.dumps(record[key]["baselines"]), flush=True)  # fmt: skip
+    TUNED_CONFIGS_PATH.write_text(
+        json.dumps(facts | {"configs": chosen, "timings_us": timings}, indent=1) + "\n"
+    )
+    print("wrote", TUNED_CONFIGS_PATH)
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(facts | {"shapes": record}, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
