@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--int4-reads",
         choices=INT4_READS,
         default=INT4_READS[0],
-        help="GPU verify/decode of 4-bit layers: read their dequantized bf16 copy (faster on "
-        "the H200) or the packed 4 bits (W4A16 kernel)",
+        help="GPU verify/decode of 4-bit layers: read their dequantized bf16 copy (the default) "
+        "or the packed 4 bits through the W4A16 kernel (faster for one verify block on the "
+        "H200, slower for 8; see README)",
     )
     add_service_flags(target, 50051)
 

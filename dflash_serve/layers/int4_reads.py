@@ -1,13 +1,14 @@
 """What the GPU row kernel reads for a 4-bit layer on verify and decode (no torch import here:
 the launcher and the service config name the choices before any model loads).
 
-"bf16": the dequantized weight the layer keeps for prefill anyway (no second copy); "int4":
-the packed 4 bits through the W4A16 kernel (repacked once, more memory). Both rebuild the same
-bf16 weight, so either is exact; bf16 is the default because it is faster on the H200 at every
-measured size (verify step, batch 1, one command at a7932c2: 4.52 ms against 4.82 through the
-W4A16 kernel with 4-bit MLPs, 4.52 against 5.23 with every large linear 4-bit;
-`bench/results/latest.json`): the W4A16 tile is instruction-bound (ncu: 9 % of DRAM
-bandwidth), so reading a quarter of the bytes does not pay for unpacking them.
+"bf16": the dequantized weight the layer keeps for prefill anyway (no second copy), through
+`row_matmul`; "int4": the packed 4 bits through `w4a16_matmul` (repacked once, more memory).
+They round differently (the bf16 copy rounds each (q - z) * s to bf16; the W4A16 kernel
+scales exact fp32 group sums), so their outputs differ in the low bits; each is exact in
+the sense that matters, rows independent of the batch. bf16 is the default because it was
+measured and the W4A16 kernel's verify step was not yet (H200, 2026-12-01,
+`bench.tune_w4a16`): per 16-row matmul the W4A16 kernel takes 1.3-1.7x less time, but at
+128 rows (8 verify blocks) more for gate+up, down and the output projections.
 """
 
 INT4_READS = ("bf16", "int4")
