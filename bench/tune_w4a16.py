@@ -29,12 +29,12 @@ from dflash_serve.checkpoint.int4_formats import AWQ_GEMM, PackedInt4Weight
 from dflash_serve.kernels.row_matmul import row_matmul
 from dflash_serve.kernels.w4a16_matmul import (
     BLOCK_MS,
-    TILE_K,
     TUNED_CONFIGS_PATH,
     PlanarInt4,
     W4A16Config,
     config_key,
     repack_planar,
+    split_over_programs,
     w4a16_matmul,
     w4a16_reference,
 )
@@ -55,13 +55,8 @@ def candidates(n: int, k: int) -> list[W4A16Config]:
     configs = {}
     grid = itertools.product((64, 128), BLOCK_MS, (264, 528), SCHEDULES)
     for block_n, block_m, min_programs, (warps, stages) in grid:
-        num_tiles = triton.cdiv(k, TILE_K)
-        columns = triton.cdiv(n, block_n)
-        per_split = num_tiles
-        while columns * triton.cdiv(num_tiles, per_split) < min_programs and per_split > 2:
-            per_split -= 1
-        config = W4A16Config.over_splits(
-            num_tiles, per_split, block_n=block_n, block_m=block_m, num_warps=warps,
+        config = split_over_programs(
+            n, k, min_programs, block_n=block_n, block_m=block_m, num_warps=warps,
             num_stages=stages,
         )  # fmt: skip
         configs[config] = None
@@ -78,6 +73,12 @@ def random_packed(n: int, k: int, device: str = "cuda") -> PackedInt4Weight:
         "scales": (torch.rand(k // GROUP, n, device=device) / 64).half(),
     }
     return PackedInt4Weight(AWQ_GEMM, n, k, GROUP, tensors)
+
+
+def copy_of(weight: PlanarInt4) -> PlanarInt4:
+    """Another copy of the weight's tensors (repacked once, cloned on the GPU)."""
+    tensors = {name: getattr(weight, name).clone() for name in ("words", "scales", "zeros")}
+    return dataclasses.replace(weight, **tensors)
 
 
 def copies_for(num_bytes: int) -> int:
@@ -174,7 +175,8 @@ def main() -> None:
     for n, k, configs in todo:
         packed = random_packed(n, k)
         rows = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (16, 128)}
-        copies = [repack_planar(packed) for _ in range(copies_for(n * k // 2))]
+        weight = repack_planar(packed)
+        copies = [copy_of(weight) for _ in range(copies_for(n * k // 2))]
         results = []
         for config in configs:
             call = lambda x, w, c=config: w4a16_matmul(x, w, config=c)  # noqa: E731
@@ -190,7 +192,7 @@ def main() -> None:
         del copies
         record[key] = {
             "best": chosen[key] | best_times | {"gbps_16_rows": gbps},
-            "check": check(repack_planar(packed), best),
+            "check": check(weight, best),
             "top": [dataclasses.asdict(c) | t for _, t, c in results[:8]],
             "baselines": baselines(n, k, packed, rows),
         }

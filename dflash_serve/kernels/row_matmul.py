@@ -109,9 +109,8 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     if tuned is not None:
         return MatmulConfig(**tuned)
     block_n = max(MIN_DOT_K, min(MAX_BLOCK_N, triton.next_power_of_2(n)))
-    block_k = BLOCK_K
     num_tiles = triton.cdiv(n, block_n)
-    num_blocks = triton.cdiv(k, block_k)
+    num_blocks = triton.cdiv(k, BLOCK_K)
     wanted_splits, blocks_per_split = 1, num_blocks
     while (
         num_tiles * triton.cdiv(num_blocks, blocks_per_split) < MIN_PROGRAMS
@@ -119,7 +118,7 @@ def matmul_config(n: int, k: int) -> MatmulConfig:
     ):
         wanted_splits += 1
         blocks_per_split = max(MIN_BLOCKS_PER_SPLIT, triton.cdiv(num_blocks, wanted_splits))
-    return MatmulConfig.over_splits(k, block_n, block_k, blocks_per_split)
+    return MatmulConfig.over_splits(k, block_n, BLOCK_K, blocks_per_split)
 
 
 def config_key(n: int, k: int) -> str:

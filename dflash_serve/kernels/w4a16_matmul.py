@@ -158,15 +158,21 @@ def w4a16_config(n: int, k: int, group_size: int) -> W4A16Config:
     if tuned is not None:
         return W4A16Config(**tuned)
     block_n = 128 if n >= 2048 else 64
+    return split_over_programs(n, k, MIN_PROGRAMS, block_n=block_n, block_m=16)
+
+
+def split_over_programs(n: int, k: int, min_programs: int, **launch: int) -> W4A16Config:
+    """`launch` (block_n, …) with K split into the fewest splits that give one row tile at
+    least `min_programs` programs, each split keeping at least two tiles to pipeline."""
     num_tiles = triton.cdiv(k, TILE_K)
-    num_columns = triton.cdiv(n, block_n)
+    num_columns = triton.cdiv(n, launch["block_n"])
     tiles_per_split = num_tiles
     while (
-        num_columns * triton.cdiv(num_tiles, tiles_per_split) < MIN_PROGRAMS
+        num_columns * triton.cdiv(num_tiles, tiles_per_split) < min_programs
         and tiles_per_split > MIN_TILES_PER_SPLIT
     ):
         tiles_per_split -= 1
-    return W4A16Config.over_splits(num_tiles, tiles_per_split, block_n=block_n, block_m=16)
+    return W4A16Config.over_splits(num_tiles, tiles_per_split, **launch)
 
 
 def _planes_ptx() -> str:
