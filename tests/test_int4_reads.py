@@ -21,25 +21,27 @@ from target_service.config import TargetServiceConfig
 pytest.importorskip("triton")
 
 N, K, GROUP = 40, 320, 32
+# Where the kernels run: compiled on a GPU, else in Triton's interpreter on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def int4_layer() -> Int4Linear:
     weight = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * 0.05
     packed = PackedInt4Weight(AWQ_GEMM, N, K, GROUP, pack_awq_gemm(weight, GROUP))
-    return Int4Linear(packed, torch.bfloat16)
+    return Int4Linear(packed, torch.bfloat16).to(DEVICE)
 
 
 @pytest.mark.parametrize("reads", ["bf16", "int4"])
 def test_both_reads_give_the_dequantized_product(reads):
     layer = int4_layer()
     layer.use_row_kernel(16, reads)
-    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).bfloat16().to(DEVICE)
     if reads == "bf16":
         assert layer.kernel_weight() is layer.weight and layer.repacked is None
-        weight = layer.packed.dequantize(torch.bfloat16)
+        weight = layer.packed.dequantize(torch.bfloat16).to(DEVICE)
     else:
         assert isinstance(layer.kernel_weight(), PlanarInt4)
-        weight = layer.packed.dequantize(torch.float32)
+        weight = layer.packed.dequantize(torch.float32).to(DEVICE)
     with torch.inference_mode():
         y = layer(x)
     reference = row_matmul_reference(x, weight)
