@@ -10,6 +10,7 @@ dflash_serve/kernels/w4a16_configs.json with its timings and commit; `--out` rec
 kernel's timings. Candidates compile in parallel worker processes first.
 
     python -m bench.tune_w4a16 [--jobs 16] [--out w4a16.json] [--shapes 18432x2560 ...]
+                               [--schedules 4x2,4x3,4x4,8x3]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import triton
 
 from bench.timing import graph_us_per_call, run_facts
+from bench.tune_row_matmul import parse_schedules
 from dflash_serve.checkpoint.int4_formats import AWQ_GEMM, PackedInt4Weight
 from dflash_serve.kernels.row_matmul import row_matmul
 from dflash_serve.kernels.w4a16_matmul import (
@@ -46,14 +48,16 @@ SHAPES = [(18432, 2560), (2560, 9216), (12288, 2560), (10240, 2560), (2560, 4096
 GROUP = 128
 CALLS_PER_GRAPH = 20
 BYTES_ROTATED = 256 * 1024**2
-SCHEDULES = ((4, 3), (4, 4), (8, 3))
+# (warps, stages). Two stages: 43 instead of 66 KB of shared memory a 32-row program, which
+# limited the 2026-12-01 winners to 3 programs an SM (ncu, 2026-12-02).
+SCHEDULES = ((4, 2), (4, 3), (4, 4), (8, 3))
 
 
-def candidates(n: int, k: int) -> list[W4A16Config]:
+def candidates(n: int, k: int, schedules=SCHEDULES) -> list[W4A16Config]:
     """64 or 128 outputs by 16, 32 or 64 rows a program, K split for at least 2 or 4
-    programs per SM, each with every (warps, stages) of SCHEDULES."""
+    programs per SM, each with every (warps, stages) of `schedules`."""
     configs = {}
-    grid = itertools.product((64, 128), BLOCK_MS, (264, 528), SCHEDULES)
+    grid = itertools.product((64, 128), BLOCK_MS, (264, 528), schedules)
     for block_n, block_m, min_programs, (warps, stages) in grid:
         config = split_over_programs(
             n, k, min_programs, block_n=block_n, block_m=block_m, num_warps=warps,
@@ -160,12 +164,21 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=16)
     parser.add_argument("--out", help="also write every kernel's timings here (JSON)")
     parser.add_argument("--shapes", nargs="*", help="NxK items; default: the 4B verify's")
+    parser.add_argument(
+        "--schedules",
+        default=",".join(f"{w}x{s}" for w, s in SCHEDULES),
+        help="WARPSxSTAGES items, comma-separated (default: %(default)s)",
+    )
     args = parser.parse_args()
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(size) for size in item.split("x")) for item in args.shapes]
+    try:
+        schedules = parse_schedules(args.schedules)
+    except ValueError as error:
+        parser.error(str(error))
     facts = run_facts("python -m bench.tune_w4a16 " + " ".join(sys.argv[1:]))
-    todo = [(n, k, candidates(n, k)) for n, k in shapes]
+    todo = [(n, k, candidates(n, k, schedules)) for n, k in shapes]
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.jobs) as pool:
         print("compiled", sum(pool.map(compile_job, todo)), "candidates", flush=True)
