@@ -48,7 +48,7 @@ SHAPES = [(18432, 2560), (2560, 9216), (12288, 2560), (10240, 2560), (2560, 4096
 GROUP = 128
 CALLS_PER_GRAPH = 20
 BYTES_ROTATED = 256 * 1024**2
-# (warps, stages). Two stages: 43 instead of 66 KB of shared memory a 32-row program, which
+# (warps, stages). Two stages: 41 instead of 66 KB of shared memory a 32-row program, which
 # limited the 2026-12-01 winners to 3 programs an SM (ncu, 2026-12-02).
 SCHEDULES = ((4, 2), (4, 3), (4, 4), (8, 3))
 
