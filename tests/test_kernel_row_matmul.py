@@ -21,8 +21,8 @@ from dflash_serve.kernels.row_matmul import (
     sum_splits,
 )
 from dflash_serve.layers.split_sums import SplitSums
+from tests.matmul_cases import DEVICE, assert_close_to_fp32, random_rows, random_weight
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): N tiles masked or two with a ragged one; SPLIT_K 1 and > 1, a ragged last split (3
 # splits over 5 blocks), a K tail; test_shapes_cover_both_split_paths checks the splits.
 SHAPES = [(48, 64), (40, 320), (80, 96), (40, 1088)]
@@ -38,25 +38,12 @@ QWEN35_4B_SHAPES = {
 }
 
 
-def random_weight(n: int, k: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    return torch.randn(n, k, generator=generator, device=DEVICE) * 0.05
-
-
-def random_rows(m: int, k: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    return torch.randn(m, k, generator=generator, device=DEVICE).bfloat16()
-
-
 def make_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return random_weight(n, k, seed).bfloat16()
 
 
 def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, oracle: torch.Tensor) -> None:
-    reference = row_matmul_reference(x, oracle)
-    assert y.dtype == torch.bfloat16 and reference.dtype == torch.float32
-    scale = reference.abs().max().item()
-    torch.testing.assert_close(y.float(), reference, rtol=2**-8, atol=2**-10 * scale)
+    assert_close_to_fp32(y, row_matmul_reference(x, oracle))
 
 
 def test_shapes_cover_both_split_paths():

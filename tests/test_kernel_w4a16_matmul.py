@@ -32,8 +32,8 @@ from dflash_serve.kernels.w4a16_matmul import (
     w4a16_reference,
 )
 from dflash_serve.layers.split_sums import SplitSums
+from tests.matmul_cases import DEVICE, assert_close_to_fp32, random_rows, random_weight
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ["awq", "ct_symmetric", "ct_asymmetric"]
 # (N, K, group): several groups per tile of 256 inputs (32, 64, 128: the zeros differ between
 # planes of a word, one dot per group), a group per tile (256) and per two tiles (512), ragged
@@ -58,17 +58,11 @@ QWEN35_GROUP = 128
 
 
 def packed_weight(kind: str, n: int, k: int, group_size: int, seed: int = 0) -> PackedInt4Weight:
-    generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    weight = torch.randn(n, k, generator=generator, device=DEVICE) * 0.05
+    weight = random_weight(n, k, seed)
     if kind == "awq":
         return PackedInt4Weight(AWQ_GEMM, n, k, group_size, pack_awq_gemm(weight, group_size))
     tensors = pack_compressed_tensors(weight, group_size, kind == "ct_symmetric")
     return PackedInt4Weight(COMPRESSED_TENSORS, n, k, group_size, tensors)
-
-
-def random_rows(m: int, k: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    return torch.randn(m, k, generator=generator, device=DEVICE).bfloat16()
 
 
 def planar_case(kind: str, shape, seed: int = 0):
@@ -79,10 +73,7 @@ def planar_case(kind: str, shape, seed: int = 0):
 
 
 def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, weight) -> None:
-    reference = w4a16_reference(x, weight)
-    assert y.dtype == torch.bfloat16 and reference.dtype == torch.float32
-    scale = reference.abs().max().item()
-    torch.testing.assert_close(y.float(), reference, rtol=2**-8, atol=2**-10 * scale)
+    assert_close_to_fp32(y, w4a16_reference(x, weight))
 
 
 def test_shapes_cover_splits_and_groups():
