@@ -24,7 +24,7 @@ from training.generation_cache import cached_answers
 from training.schedule import OptimSettings
 from training.target_lm import forward_rows, init_target
 from training.train_drafter import init_drafter
-from training.train_target import TargetTraining, train_target
+from training.train_target import TargetTraining, train_target, validation_loss
 
 VOCAB = 64
 EOS = 63
@@ -78,6 +78,32 @@ def test_target_training_lowers_the_loss_and_exports_a_servable_checkpoint(tmp_p
         expected, _ = forward_rows(model, ids)
         actual, _ = forward_rows(served, ids)
     torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+
+
+def test_target_training_keeps_the_weights_of_its_lowest_validation_loss():
+    """Validation text the training data contradicts: its loss falls, then rises as the
+    model learns the training pattern; training must leave the weights of the minimum."""
+    model = init_target(TARGET, seed=0, device="cpu")
+    pattern = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, EOS][: 6 + i % 7] for i in range(40)]
+    validation = [[1, 2, 3, 40, 41, 42, 43, EOS], [1, 2, 3, 4, 50, 51, EOS]]
+    settings = TargetTraining(
+        tokens_per_step=60,
+        max_row_tokens=32,
+        budget_s=0,
+        num_steps=30,
+        optim=OptimSettings(peak_lr=3e-3, warmup_steps=5),
+        seed=0,
+        pad_id=0,
+        eval_every=5,
+    )
+    report = train_target(model, pattern, settings, lambda _: None, validation)["validation"]
+    steps, losses = zip(*report["loss_by_step"], strict=True)
+    assert steps == (5, 10, 15, 20, 25, 30)
+    lowest = losses.index(min(losses))
+    assert lowest < len(losses) - 1, "the test needs a minimum before the end"
+    assert report["kept_step"] == steps[lowest]
+    assert validation_loss(model, validation, settings) == pytest.approx(min(losses), abs=1e-4)
+    assert validation_loss(model, validation, settings) < losses[-1] - 0.1
 
 
 def test_generate_greedy_equals_the_engines_target_only_decoding(tmp_path):

@@ -30,6 +30,7 @@ from target_service.model.loader import load_target_model
 from training.corpus import (
     build_corpus,
     invented_question,
+    is_validation,
     load_corpus,
     prompt_text,
     render_chat,
@@ -67,6 +68,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--target-budget-s", type=float, default=270.0)
     parser.add_argument("--target-steps", type=int)
+    parser.add_argument(
+        "--target-eval-every",
+        type=int,
+        default=0,
+        help="measure the target's loss on a validation split of the training conversations "
+        "(3 %%, set aside) every N steps and keep the weights where it was lowest (0: train "
+        "on every conversation to the end)",
+    )
     parser.add_argument("--tokens-per-step", type=int, default=32768)
     parser.add_argument("--max-row-tokens", type=int, default=512)
     parser.add_argument("--num-generations", type=int, default=8192)
@@ -274,9 +283,16 @@ def validate_drafter(
 
 
 def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, record) -> None:
-    sequences = [
-        conversation_ids(tokenizer, prompt_text(c.question), c.answer) for c in corpus.train
-    ]
+    def ids(conversations):
+        return [
+            conversation_ids(tokenizer, prompt_text(c.question), c.answer) for c in conversations
+        ]
+
+    if args.target_eval_every:
+        sequences = ids(c for c in corpus.train if not is_validation(c.name))
+        validation = ids(c for c in corpus.train if is_validation(c.name))
+    else:
+        sequences, validation = ids(corpus.train), []
     num_tokens = sum(map(len, sequences))
     record["corpus_tokens"] = num_tokens
     log(f"tokenizer: {tokenizer.get_vocab_size()} ids; corpus {num_tokens} tokens")
@@ -290,8 +306,9 @@ def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, r
         optim=OptimSettings(peak_lr=2e-3, warmup_steps=100),
         seed=args.seed,
         pad_id=specials["<|endoftext|>"],
+        eval_every=args.target_eval_every,
     )
-    record["target_training"] = train_target(model, sequences, target_settings, log)
+    record["target_training"] = train_target(model, sequences, target_settings, log, validation)
     save_target(model, target_config, target_dir)
 
 

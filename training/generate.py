@@ -1,9 +1,11 @@
 """Greedy generations of the trained target: the drafter's training labels.
 
 DFlash drafters learn to predict what the target itself says, so the labels come from the
-target's own greedy continuations of the training prompts. Prompts of equal length run
-together in lockstep (one batched forward per token), through the serving model's prefill
-path with a fresh state per group.
+target's own greedy continuations of the training prompts. Up to `max_batch` prompts share
+one state: each distinct prompt length is prefilled in one forward, then every unfinished
+row decodes in lockstep (one batched forward per token, each row at its own position), and
+a row leaves the batch at its EOS. Prompts of many lengths (invented questions) therefore
+still run hundreds at a time, through the serving model's own prefill and decode paths.
 """
 
 from __future__ import annotations
@@ -27,50 +29,43 @@ def generate_greedy(
     log=print,
 ) -> list[list[int]]:
     """Each prompt's greedy continuation, up to and including its first EOS token."""
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for index, prompt in enumerate(prompts):
-        by_length[len(prompt)].append(index)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[list[int]] = [[] for _ in prompts]
-    done_prompts = 0
-    for length in sorted(by_length):
-        indices = by_length[length]
-        for first in range(0, len(indices), max_batch):
-            group = indices[first : first + max_batch]
-            rows = _generate_group(
-                model, [prompts[i] for i in group], max_new_tokens, eos_token_ids
-            )
-            for index, row in zip(group, rows, strict=True):
-                outputs[index] = row
-            done_prompts += len(group)
-        log(f"  generated for {done_prompts}/{len(prompts)} prompts")
+    for first in range(0, len(order), max_batch):
+        group = order[first : first + max_batch]
+        rows = _generate_group(model, [prompts[i] for i in group], max_new_tokens, eos_token_ids)
+        for index, row in zip(group, rows, strict=True):
+            outputs[index] = row
+        log(f"  generated for {first + len(group)}/{len(prompts)} prompts")
     return outputs
 
 
 def _generate_group(model, prompts, max_new_tokens, eos_token_ids) -> list[list[int]]:
     device = model.embed_tokens.weight.device
-    num_rows, length = len(prompts), len(prompts[0])
-    shape = StateShape(max_slots=num_rows, max_len=length + max_new_tokens)
+    num_rows = len(prompts)
+    lengths = [len(p) for p in prompts]
+    shape = StateShape(max_slots=num_rows, max_len=max(lengths) + max_new_tokens)
     state = TargetState(model.config, shape, model.embed_tokens.weight.dtype, device)
-    slots = tuple(range(num_rows))
-    eos = torch.tensor(eos_token_ids, device=device)
-    token_ids = torch.tensor(prompts, device=device)
-    hidden, _ = model(token_ids, ForwardBatch(slots, (0,) * num_rows, length, False), state)
-    next_ids = model.logits(hidden[:, -1]).argmax(-1)
-    generated = [next_ids]
-    is_done = torch.isin(next_ids, eos)
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for row, length in enumerate(lengths):
+        by_length[length].append(row)
+    next_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+    for length, rows in by_length.items():
+        token_ids = torch.tensor([prompts[r] for r in rows], device=device)
+        batch = ForwardBatch(tuple(rows), (0,) * len(rows), length, False)
+        hidden, _ = model(token_ids, batch, state)
+        next_ids[torch.tensor(rows, device=device)] = model.logits(hidden[:, -1]).argmax(-1)
+    eos = set(eos_token_ids)
+    generated = [[int(t)] for t in next_ids.tolist()]
+    active = [r for r in range(num_rows) if generated[r][-1] not in eos]
     for step in range(1, max_new_tokens):
-        if bool(is_done.all()):
+        if not active:
             break
-        position = length + step - 1
-        batch = ForwardBatch(slots, (position,) * num_rows, 1, False)
-        hidden, _ = model(next_ids.unsqueeze(1), batch, state)
-        next_ids = model.logits(hidden[:, -1]).argmax(-1)
-        generated.append(next_ids)
-        is_done |= torch.isin(next_ids, eos)
-    table = torch.stack(generated, dim=1).tolist()
-    eos_set = set(eos_token_ids)
-    rows = []
-    for row in table:
-        cut = next((i + 1 for i, token in enumerate(row) if token in eos_set), len(row))
-        rows.append(row[:cut])
-    return rows
+        batch = ForwardBatch(tuple(active), tuple(lengths[r] + step - 1 for r in active), 1, False)
+        last = torch.tensor([generated[r][-1] for r in active], device=device)
+        hidden, _ = model(last.unsqueeze(1), batch, state)
+        chosen = model.logits(hidden[:, -1]).argmax(-1).tolist()
+        for row, token in zip(active, chosen, strict=True):
+            generated[row].append(token)
+        active = [r for r in active if generated[r][-1] not in eos]
+    return generated
