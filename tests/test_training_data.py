@@ -20,8 +20,11 @@ from training.corpus import (
     MAX_ANSWER_CHARS,
     MIN_ANSWER_CHARS,
     SKIPPED_DIRS,
+    SOURCE_PREFIX,
     build_corpus,
     cap_text,
+    is_held_out,
+    is_validation,
     load_corpus,
     prompt_text,
     render_chat,
@@ -99,6 +102,54 @@ def test_skips_private_test_and_short_items(conversations, corpus):
     assert "unittest.test" not in conversations
     assert "idlelib.idle_test" not in conversations
     assert "CPython 3." in corpus.source and "PSF-2.0" in corpus.source
+
+
+@pytest.fixture(scope="module")
+def with_sources():
+    return build_corpus(seed=0, modules={"json", "textwrap", "asyncio"}, sources=True)
+
+
+def test_source_conversations_hold_the_functions_code(with_sources):
+    by_name = {c.name: c for c in (*with_sources.train, *with_sources.held_out)}
+    fill = by_name["source:textwrap.fill"]
+    assert "`textwrap.fill`" in fill.question
+    assert fill.answer == textwrap.dedent(inspect.getsource(textwrap.fill)).strip()
+    assert "source:textwrap.dedent" not in by_name  # longer than MAX_ANSWER_CHARS
+    encode = by_name["source:json.encoder.JSONEncoder.encode"]
+    assert encode.answer == textwrap.dedent(inspect.getsource(json.JSONEncoder.encode)).strip()
+    sources = [c for c in by_name.values() if c.name.startswith(SOURCE_PREFIX)]
+    assert len(sources) > 100
+    for conversation in sources:
+        parts = conversation.name.removeprefix(SOURCE_PREFIX).split(".")
+        assert not any(part.startswith("_") for part in parts), conversation.name
+        assert MIN_ANSWER_CHARS <= len(conversation.answer) <= MAX_ANSWER_CHARS
+        assert conversation.answer.startswith(("def ", "async def ")), conversation.name
+    assert "source code" in with_sources.source
+
+
+def test_a_source_is_held_out_with_its_docstring(with_sources, corpus):
+    held_out = {c.name for c in with_sources.held_out}
+    sources = [c.name for c in (*with_sources.train, *with_sources.held_out)
+               if c.name.startswith(SOURCE_PREFIX)]  # fmt: skip
+    held_sources = [name for name in sources if name in held_out]
+    assert held_sources, "no source conversation held out in these modules"
+    for name in sources:
+        assert (name in held_out) == is_held_out(name.removeprefix(SOURCE_PREFIX)), name
+    # Adding sources leaves the docstring conversations and their split as they were.
+    documented = build_corpus(seed=0, modules={"json", "textwrap", "asyncio"})
+    assert [c for c in with_sources.train if not c.name.startswith(SOURCE_PREFIX)] == list(
+        documented.train
+    )
+    assert [c for c in with_sources.held_out if not c.name.startswith(SOURCE_PREFIX)] == list(
+        documented.held_out
+    )
+
+
+def test_the_validation_split_is_part_of_training_and_about_three_percent(corpus):
+    chosen = [c.name for c in corpus.train if is_validation(c.name)]
+    assert 0.01 < len(chosen) / len(corpus.train) < 0.06
+    held_out = [c.name for c in corpus.held_out if is_validation(c.name)]
+    assert len(held_out) < len(corpus.held_out)  # another hash than the held-out split
 
 
 def test_cap_text_cuts_at_the_last_boundary_that_keeps_half():

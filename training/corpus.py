@@ -4,8 +4,11 @@ The standard library this interpreter ships (PSF-2.0) is read as source with `as
 imported, so building the corpus runs no module code. Each documented public module, class,
 function and method, and each `pydoc_data` language-reference topic, becomes one
 question/answer conversation whose answer is the (cleaned, capped) documentation text.
+With `--sources`, each public function and method of up to MAX_ANSWER_CHARS characters also
+becomes one whose answer is its source code ("How is `textwrap.dedent` implemented?"), held
+out together with its docstring's conversation.
 
-    python -m training.corpus --out corpus.json
+    python -m training.corpus --out corpus.json [--sources]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import random
 import sys
 import sysconfig
+import textwrap
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
@@ -44,7 +48,12 @@ QUESTION_TEMPLATES = {
         "Explain the Python topic `{}`.",
         "What does the Python language reference say about `{}`?",
     ),
+    "source": (
+        "How is `{}` implemented?",
+        "Show me the source code of `{}`.",
+    ),
 }
+SOURCE_PREFIX = "source:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,39 +83,54 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def corpus_source() -> str:
+def corpus_source(sources: bool = False) -> str:
     version = ".".join(str(part) for part in sys.version_info[:3])
-    return f"CPython {version} standard library docstrings and pydoc_data topics (PSF-2.0)"
+    code = ", function and method source code" if sources else ""
+    return f"CPython {version} standard library docstrings{code} and pydoc_data topics (PSF-2.0)"
 
 
-def build_corpus(seed: int = 0, modules: Collection[str] | None = None) -> Corpus:
+def build_corpus(
+    seed: int = 0, modules: Collection[str] | None = None, sources: bool = False
+) -> Corpus:
     """The corpus of this interpreter's standard library; deterministic for a given seed.
 
     `modules` restricts the docstrings to those top-level modules/packages (tests use it to
-    stay fast); the reference topics are always included.
+    stay fast); the reference topics are always included. `sources`: also the functions'
+    and methods' source code.
     """
-    return corpus_from(collect_documentation(stdlib_dir(), modules), seed)
+    return corpus_from(collect_documentation(stdlib_dir(), modules, sources), seed, sources)
 
 
-def collect_documentation(root: Path, modules: Collection[str] | None = None) -> list[Documented]:
-    """Docstrings of the modules under `root` (sorted by path), then the reference topics."""
+def collect_documentation(
+    root: Path, modules: Collection[str] | None = None, sources: bool = False
+) -> list[Documented]:
+    """Docstrings (and with `sources` the source code) of the modules under `root`, sorted by
+    path, then the reference topics."""
     documented = []
     for module_name, path in module_files(root):
         if modules is None or module_name.split(".")[0] in modules:
             documented.extend(module_docstrings(module_name, path))
+            if sources:
+                documented.extend(module_sources(module_name, path))
     documented.extend(reference_topics(root / TOPICS_FILE))
     return documented
 
 
-def corpus_from(documented: list[Documented], seed: int) -> Corpus:
+def corpus_from(documented: list[Documented], seed: int, sources: bool = False) -> Corpus:
     conversations = [to_conversation(item, seed) for item in documented]
     names = [conversation.name for conversation in conversations]
     assert len(set(names)) == len(names), "documentation names must be unique"
     return Corpus(
-        train=tuple(c for c in conversations if not is_held_out(c.name)),
-        held_out=tuple(c for c in conversations if is_held_out(c.name)),
-        source=corpus_source(),
+        train=tuple(c for c in conversations if not is_held_out(split_name(c.name))),
+        held_out=tuple(c for c in conversations if is_held_out(split_name(c.name))),
+        source=corpus_source(sources),
     )
+
+
+def split_name(name: str) -> str:
+    """The name that decides a conversation's split: a source conversation goes with its
+    object's docstring (its code holds that docstring)."""
+    return name.removeprefix(SOURCE_PREFIX)
 
 
 def module_files(root: Path) -> list[tuple[str, Path]]:
@@ -154,6 +178,36 @@ def _documented_in(node: ast.AST, name: str, kind: str) -> Iterator[Documented]:
             yield from _documented_in(child, f"{name}.{child.name}", child_kind)
 
 
+def module_sources(module_name: str, path: Path) -> list[Documented]:
+    """The source code of the module's public functions and of its public classes' public
+    methods, MIN_ANSWER_CHARS..MAX_ANSWER_CHARS characters each (decorators left out),
+    dedented; named `source:<dotted name>`, the first definition of a name kept."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text, filename=str(path))
+    except (SyntaxError, ValueError, UnicodeDecodeError):
+        return []
+    found: dict[str, Documented] = {}
+    for name, node in _public_functions(tree, module_name):
+        segment = ast.get_source_segment(text, node, padded=True)
+        code = textwrap.dedent(segment or "").strip()
+        if MIN_ANSWER_CHARS <= len(code) <= MAX_ANSWER_CHARS:
+            found.setdefault(name, Documented(SOURCE_PREFIX + name, "source", code))
+    return list(found.values())
+
+
+def _public_functions(tree: ast.Module, module_name: str) -> Iterator[tuple[str, ast.AST]]:
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if not node.name.startswith("_"):
+                yield f"{module_name}.{node.name}", node
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for child in node.body:
+                is_function = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+                if is_function and not child.name.startswith("_"):
+                    yield f"{module_name}.{node.name}.{child.name}", child
+
+
 def reference_topics(path: Path) -> list[Documented]:
     """The `topics` dict of pydoc_data/topics.py, read as a literal (the file is not imported)."""
     tree = ast.parse(path.read_bytes(), filename=str(path))
@@ -192,7 +246,7 @@ def to_conversation(item: Documented, seed: int) -> Conversation:
     # of which other items are present and of their order.
     rng = random.Random(f"{seed}:{item.name}")
     template = rng.choice(QUESTION_TEMPLATES[item.kind])
-    subject = item.name.removeprefix("topic:")
+    subject = item.name.removeprefix("topic:").removeprefix(SOURCE_PREFIX)
     return Conversation(name=item.name, question=template.format(subject), answer=item.text)
 
 
@@ -270,9 +324,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the question templates")
+    parser.add_argument(
+        "--sources", action="store_true", help="also the functions' and methods' source code"
+    )
     args = parser.parse_args(argv)
-    documented = collect_documentation(stdlib_dir())
-    corpus = corpus_from(documented, args.seed)
+    documented = collect_documentation(stdlib_dir(), sources=args.sources)
+    corpus = corpus_from(documented, args.seed, args.sources)
     save_corpus(corpus, args.out)
     print(corpus.source)
     for kind, count in sorted(collections.Counter(item.kind for item in documented).items()):
