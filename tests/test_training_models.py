@@ -19,7 +19,7 @@ from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
 from training.drafter_blocks import block_logits, block_loss, sample_anchors
 from training.export import save_drafter, save_target
-from training.generate import generate_greedy
+from training.generate import generate_greedy, prompt_batches
 from training.generation_cache import cached_answers
 from training.schedule import OptimSettings
 from training.target_lm import forward_rows, init_target
@@ -108,8 +108,16 @@ def test_target_training_keeps_the_weights_of_its_lowest_validation_loss():
 
 def test_generate_greedy_equals_the_engines_target_only_decoding(tmp_path):
     model = init_target(TARGET, seed=3, device="cpu").eval()
-    prompts = [[5, 9, 11], [7, 1, 2], [30, 31], [4, 4, 4, 4, 4]]
-    generated = generate_greedy(model, prompts, 12, [EOS], max_batch=2, log=lambda _: None)
+    prompts = [[5, 9, 11], [7, 1, 2], [30, 31], [4, 4, 4, 4, 4], [8, 8]]
+    # Lengths 3 and 2 have two prompts each: batches of one length; 5 is pooled alone.
+    assert prompt_batches(prompts, 2, 2) == [[2, 4], [0, 1], [3]]
+    assert prompt_batches(prompts, 4, 3) == [[2, 4, 0, 1], [3]]  # every length pooled
+    generated = generate_greedy(
+        model, prompts, 12, [EOS], max_batch=4, log=lambda _: None, min_group_rows=3
+    )
+    assert generated == generate_greedy(
+        model, prompts, 12, [EOS], max_batch=2, log=lambda _: None, min_group_rows=2
+    )
     engine = TargetEngine(model, StateShape(max_slots=1, max_len=64))
     for prompt, tokens in zip(prompts, generated, strict=True):
         slot = engine.open_sequence()
