@@ -8,7 +8,8 @@ Writes DIR/target (Hugging Face layout with tokenizer and chat template), DIR/dr
 drafter's served-equivalent τ on training and held-out prompts, `validation`). With
 --target-steps/--drafter-steps the run repeats a logged one instead of fitting the budget.
 --num-swapped / --num-invented / --pick-by-length change the drafter's data (see
-`train_drafter.behind_other_prompts`).
+`train_drafter.behind_other_prompts`); --target-eval-every keeps the target's weights where
+its loss on a validation split of the training conversations was lowest.
 """
 
 from __future__ import annotations
