@@ -34,3 +34,29 @@ def test_a_drafter_run_records_its_schedule_and_reuses_its_answers(tmp_path):
     logged = json.loads((tmp_path / "again" / "training_log.json").read_text())
     assert logged["generation"] == again["generation"]
     assert (tmp_path / "again" / "drafter" / "model.safetensors").is_file()
+
+
+def test_generate_only_writes_the_answers_a_later_run_reuses(tmp_path):
+    conversations = [
+        Conversation(name, f"What does `{name}` do?", f"{name} returns its argument.")
+        for name in ("textwrap.dedent", "os.path.join", "json.dumps")
+    ]
+    corpus = tmp_path / "corpus.json"
+    save_corpus(Corpus(tuple(conversations[:2]), tuple(conversations[2:]), "test"), corpus)
+    argv = [
+        "--corpus", str(corpus), "--reuse-target", str(EMBEDDED_DIR / "target"),
+        "--device", "cpu", "--num-generations", "2", "--max-new-tokens", "4",
+        "--num-validation", "0", "--commit", "test",
+    ]  # fmt: skip
+    answers = tmp_path / "answers.json"
+    first = main(["--out-dir", str(tmp_path / "gen"), "--generations", str(answers),
+                  "--generate-only", *argv])  # fmt: skip
+    assert not first["generation"]["reused"] and "drafter_training" not in first
+    assert answers.is_file() and not (tmp_path / "gen" / "drafter").exists()
+    logged = json.loads((tmp_path / "gen" / "training_log.json").read_text())
+    assert logged["generation"] == first["generation"]
+    train = ["--drafter-steps", "1", "--drafter-batch", "2", *argv]
+    later = main(["--out-dir", str(tmp_path / "train"), "--generations", str(answers), *train])
+    assert later["generation"]["reused"]
+    assert later["generation"]["num_tokens"] == first["generation"]["num_tokens"]
+    assert (tmp_path / "train" / "drafter" / "model.safetensors").is_file()

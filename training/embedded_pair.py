@@ -9,7 +9,8 @@ drafter's served-equivalent τ on training and held-out prompts, `validation`). 
 --target-steps/--drafter-steps the run repeats a logged one instead of fitting the budget.
 --num-swapped / --num-invented / --pick-by-length change the drafter's data (see
 `train_drafter.behind_other_prompts`); --target-eval-every keeps the target's weights where
-its loss on a validation split of the training conversations was lowest.
+its loss on a validation split of the training conversations was lowest; --generate-only
+stops once the target's answers are written (for a later run's --generations).
 """
 
 from __future__ import annotations
@@ -129,6 +130,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "and prompts, else generated and written there; a named file for anything else is "
         "refused (default OUT_DIR/generations.json, replaced when it does not match)",
     )
+    parser.add_argument(
+        "--generate-only",
+        action="store_true",
+        help="stop once the target's answers are written (--generations or OUT_DIR/"
+        "generations.json): generating many is a command of its own on a time-limited GPU",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--drafter-budget-s", type=float, default=120.0)
     parser.add_argument("--drafter-steps", type=int)
@@ -209,6 +216,11 @@ def main(argv: list[str] | None = None) -> dict:
         "reused": reused,
     }
     log(f"{'reused' if reused else 'generated'} {record['generation']}")
+    if args.generate_only:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "training_log.json").write_text(json.dumps(record, indent=2))
+        log(f"wrote the answers; log {args.out_dir / 'training_log.json'}")
+        return record
     if args.num_swapped:
         swap_questions = [
             invented_question(corpus.train, rng, known) for _ in range(args.num_swapped)
