@@ -9,13 +9,19 @@ from training.corpus import Conversation, Corpus, save_corpus
 from training.embedded_pair import main
 
 
-def test_a_drafter_run_records_its_schedule_and_reuses_its_answers(tmp_path):
+def tiny_corpus(tmp_path):
+    """Two training conversations and one held out, saved as a corpus file."""
     conversations = [
         Conversation(name, f"What does `{name}` do?", f"{name} returns its argument.")
         for name in ("textwrap.dedent", "os.path.join", "json.dumps")
     ]
     corpus = tmp_path / "corpus.json"
     save_corpus(Corpus(tuple(conversations[:2]), tuple(conversations[2:]), "test"), corpus)
+    return corpus
+
+
+def test_a_drafter_run_records_its_schedule_and_reuses_its_answers(tmp_path):
+    corpus = tiny_corpus(tmp_path)
     argv = [
         "--corpus", str(corpus), "--reuse-target", str(EMBEDDED_DIR / "target"),
         "--device", "cpu", "--num-generations", "2", "--max-new-tokens", "4",
@@ -37,12 +43,7 @@ def test_a_drafter_run_records_its_schedule_and_reuses_its_answers(tmp_path):
 
 
 def test_generate_only_writes_the_answers_a_later_run_reuses(tmp_path):
-    conversations = [
-        Conversation(name, f"What does `{name}` do?", f"{name} returns its argument.")
-        for name in ("textwrap.dedent", "os.path.join", "json.dumps")
-    ]
-    corpus = tmp_path / "corpus.json"
-    save_corpus(Corpus(tuple(conversations[:2]), tuple(conversations[2:]), "test"), corpus)
+    corpus = tiny_corpus(tmp_path)
     argv = [
         "--corpus", str(corpus), "--reuse-target", str(EMBEDDED_DIR / "target"),
         "--device", "cpu", "--num-generations", "2", "--max-new-tokens", "4",
