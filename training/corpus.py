@@ -98,7 +98,7 @@ def build_corpus(
     stay fast); the reference topics are always included. `sources`: also the functions'
     and methods' source code.
     """
-    return corpus_from(collect_documentation(stdlib_dir(), modules, sources), seed, sources)
+    return corpus_from(collect_documentation(stdlib_dir(), modules, sources), seed)
 
 
 def collect_documentation(
@@ -116,14 +116,14 @@ def collect_documentation(
     return documented
 
 
-def corpus_from(documented: list[Documented], seed: int, sources: bool = False) -> Corpus:
+def corpus_from(documented: list[Documented], seed: int) -> Corpus:
     conversations = [to_conversation(item, seed) for item in documented]
     names = [conversation.name for conversation in conversations]
     assert len(set(names)) == len(names), "documentation names must be unique"
     return Corpus(
         train=tuple(c for c in conversations if not is_held_out(split_name(c.name))),
         held_out=tuple(c for c in conversations if is_held_out(split_name(c.name))),
-        source=corpus_source(sources),
+        source=corpus_source(any(item.kind == "source" for item in documented)),
     )
 
 
@@ -251,16 +251,20 @@ def to_conversation(item: Documented, seed: int) -> Conversation:
 
 
 def is_held_out(name: str) -> bool:
-    digest = hashlib.sha256(name.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") < HELD_OUT_FRACTION * 2**64
+    return _hashes_below(name, HELD_OUT_FRACTION)
 
 
 def is_validation(name: str) -> bool:
     """Whether a training conversation is set aside to choose when the target stops
     training (`--target-eval-every`): another 3 % by another hash, so the held-out set that
     the benchmarks measure plays no part in choosing the model."""
-    digest = hashlib.sha256(f"validation:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") < HELD_OUT_FRACTION * 2**64
+    return _hashes_below(f"validation:{name}", HELD_OUT_FRACTION)
+
+
+def _hashes_below(key: str, fraction: float) -> bool:
+    """A stable pseudo-random choice of `fraction` of all keys (sha256, not Python's hash)."""
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 
 def rephrased_question(conversation: Conversation, rng: random.Random) -> str:
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     documented = collect_documentation(stdlib_dir(), sources=args.sources)
-    corpus = corpus_from(documented, args.seed, args.sources)
+    corpus = corpus_from(documented, args.seed)
     save_corpus(corpus, args.out)
     print(corpus.source)
     for kind, count in sorted(collections.Counter(item.kind for item in documented).items()):

@@ -54,9 +54,7 @@ def prompt_batches(
 ) -> list[list[int]]:
     """Prompt indices in batches of at most `max_batch`: one length per batch for lengths
     with at least `min_group_rows` prompts, the other prompts pooled by length order."""
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for index, prompt in enumerate(prompts):
-        by_length[len(prompt)].append(index)
+    by_length = indices_by_length(prompts)
     batches, pooled = [], []
     for length in sorted(by_length):
         indices = by_length[length]
@@ -68,17 +66,22 @@ def prompt_batches(
     return batches
 
 
+def indices_by_length(prompts: list[list[int]]) -> dict[int, list[int]]:
+    """The prompts' indices grouped by prompt length, in index order within a length."""
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for index, prompt in enumerate(prompts):
+        by_length[len(prompt)].append(index)
+    return by_length
+
+
 def _generate_group(model, prompts, max_new_tokens, eos_token_ids) -> list[list[int]]:
     device = model.embed_tokens.weight.device
     num_rows = len(prompts)
     lengths = [len(p) for p in prompts]
     shape = StateShape(max_slots=num_rows, max_len=max(lengths) + max_new_tokens)
     state = TargetState(model.config, shape, model.embed_tokens.weight.dtype, device)
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for row, length in enumerate(lengths):
-        by_length[length].append(row)
     next_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
-    for length, rows in by_length.items():
+    for length, rows in indices_by_length(prompts).items():
         token_ids = torch.tensor([prompts[r] for r in rows], device=device)
         batch = ForwardBatch(tuple(rows), (0,) * len(rows), length, False)
         hidden, _ = model(token_ids, batch, state)
