@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -31,6 +33,17 @@ EOS = 63
 MASK = 62
 TARGET = small_target_config(VOCAB, [EOS])
 DRAFTER = small_drafter_config(VOCAB, MASK, sliding_window=5)
+# A sequence pattern the tiny target learns in 30 steps, and those 30 steps.
+PATTERN = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, EOS][: 6 + i % 7] for i in range(40)]
+SHORT_TRAINING = TargetTraining(
+    tokens_per_step=60,
+    max_row_tokens=32,
+    budget_s=0,
+    num_steps=30,
+    optim=OptimSettings(peak_lr=3e-3, warmup_steps=5),
+    seed=0,
+    pad_id=0,
+)
 
 
 def test_chunked_rule_gradients_match_the_token_by_token_recurrence():
@@ -54,17 +67,7 @@ def test_chunked_rule_gradients_match_the_token_by_token_recurrence():
 
 def test_target_training_lowers_the_loss_and_exports_a_servable_checkpoint(tmp_path):
     model = init_target(TARGET, seed=0, device="cpu")
-    pattern = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, EOS][: 6 + i % 7] for i in range(40)]
-    settings = TargetTraining(
-        tokens_per_step=60,
-        max_row_tokens=32,
-        budget_s=0,
-        num_steps=30,
-        optim=OptimSettings(peak_lr=3e-3, warmup_steps=5),
-        seed=0,
-        pad_id=0,
-    )
-    report = train_target(model, pattern, settings, log=lambda _: None)
+    report = train_target(model, PATTERN, SHORT_TRAINING, log=lambda _: None)
     assert report["num_steps"] == 30
     assert report["loss_every_100"][0] > 3.5  # about ln(64) at the start
     assert report["final_loss"] < 1.0
@@ -84,19 +87,9 @@ def test_target_training_keeps_the_weights_of_its_lowest_validation_loss():
     """Validation text the training data contradicts: its loss falls, then rises as the
     model learns the training pattern; training must leave the weights of the minimum."""
     model = init_target(TARGET, seed=0, device="cpu")
-    pattern = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, EOS][: 6 + i % 7] for i in range(40)]
     validation = [[1, 2, 3, 40, 41, 42, 43, EOS], [1, 2, 3, 4, 50, 51, EOS]]
-    settings = TargetTraining(
-        tokens_per_step=60,
-        max_row_tokens=32,
-        budget_s=0,
-        num_steps=30,
-        optim=OptimSettings(peak_lr=3e-3, warmup_steps=5),
-        seed=0,
-        pad_id=0,
-        eval_every=5,
-    )
-    report = train_target(model, pattern, settings, lambda _: None, validation)["validation"]
+    settings = dataclasses.replace(SHORT_TRAINING, eval_every=5)
+    report = train_target(model, PATTERN, settings, lambda _: None, validation)["validation"]
     steps, losses = zip(*report["loss_by_step"], strict=True)
     assert steps == (5, 10, 15, 20, 25, 30)
     lowest = losses.index(min(losses))
