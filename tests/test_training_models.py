@@ -111,6 +111,11 @@ def test_generate_greedy_equals_the_engines_target_only_decoding(tmp_path):
     assert generated == generate_greedy(
         model, prompts, 12, [EOS], max_batch=2, log=lambda _: None, min_group_rows=2
     )
+    # Decoding as one-token verify blocks, committed (the GPU kernel path's way), mixed rows.
+    assert generated == generate_greedy(
+        model, prompts, 12, [EOS], max_batch=4, log=lambda _: None, min_group_rows=9,
+        verify_decode=True,
+    )  # fmt: skip
     engine = TargetEngine(model, StateShape(max_slots=1, max_len=64))
     for prompt, tokens in zip(prompts, generated, strict=True):
         slot = engine.open_sequence()
@@ -121,6 +126,21 @@ def test_generate_greedy_equals_the_engines_target_only_decoding(tmp_path):
             expected.append(int(logits[0, -1].argmax()))
         engine.close_sequence(slot)
         assert tokens == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_generate_greedy_on_the_attention_kernel_equals_plain_decoding_on_gpu():
+    from training.generate import use_attention_kernel
+
+    model = init_target(TARGET, seed=3, device="cuda").eval()
+    prompts = [[5, 9, 11], [7, 1, 2], [30, 31], [4, 4, 4, 4, 4], [8, 8], [3] * 17]
+    plain = generate_greedy(model, prompts, 12, [EOS], log=lambda _: None, min_group_rows=9)
+    use_attention_kernel(model)
+    assert model.layers[2].self_attn.attention_kernel is not None
+    on_kernel = generate_greedy(
+        model, prompts, 12, [EOS], log=lambda _: None, min_group_rows=9, verify_decode=True
+    )
+    assert on_kernel == plain
 
 
 def _trained_pair(tmp_path):

@@ -6,9 +6,13 @@ function and method, and each `pydoc_data` language-reference topic, becomes one
 question/answer conversation whose answer is the (cleaned, capped) documentation text.
 With `--sources`, each public function and method of up to MAX_ANSWER_CHARS characters also
 becomes one whose answer is its source code ("How is `textwrap.dedent` implemented?"), held
-out together with its docstring's conversation.
+out together with its docstring's conversation. With `--grounded K`, every documented function,
+method and class also becomes K reading-comprehension conversations (a held-out one: one):
+the prompt quotes the documentation of the object and of up to three of its siblings, and
+the answer is the object's entry, copied (see `grounded_conversations`). A question about an object the target never saw has no right
+answer closed-book; with its documentation in the prompt it has one.
 
-    python -m training.corpus --out corpus.json [--sources]
+    python -m training.corpus --out corpus.json [--sources] [--grounded 3]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import ast
 import collections
 import dataclasses
 import hashlib
+import itertools
 import json
 import random
 import sys
@@ -54,6 +59,17 @@ QUESTION_TEMPLATES = {
     ),
 }
 SOURCE_PREFIX = "source:"
+GROUNDED_PREFIX = "grounded:"
+GROUNDED_KINDS = ("function", "method", "class")
+# Each quoted entry of a grounded prompt, and so its answer, is capped at this length: four
+# entries and the question stay within ~600 tokens of the embedded tokenizer.
+GROUNDED_CHARS = 480
+MAX_SIBLINGS = 3
+GROUNDED_QUESTIONS = (
+    "According to this documentation, what does `{}` do?",
+    "What does the documentation above say about `{}`?",
+    "Using only the documentation above, explain `{}`.",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,22 +99,30 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def corpus_source(sources: bool = False) -> str:
+def corpus_source(sources: bool = False, grounded: bool = False) -> str:
     version = ".".join(str(part) for part in sys.version_info[:3])
     code = ", function and method source code" if sources else ""
-    return f"CPython {version} standard library docstrings{code} and pydoc_data topics (PSF-2.0)"
+    quoted = "; questions answered from documentation quoted in the prompt" if grounded else ""
+    return (
+        f"CPython {version} standard library docstrings{code} and pydoc_data topics "
+        f"(PSF-2.0){quoted}"
+    )
 
 
 def build_corpus(
-    seed: int = 0, modules: Collection[str] | None = None, sources: bool = False
+    seed: int = 0,
+    modules: Collection[str] | None = None,
+    sources: bool = False,
+    grounded: int = 0,
 ) -> Corpus:
     """The corpus of this interpreter's standard library; deterministic for a given seed.
 
     `modules` restricts the docstrings to those top-level modules/packages (tests use it to
     stay fast); the reference topics are always included. `sources`: also the functions'
-    and methods' source code.
+    and methods' source code. `grounded`: grounded conversations per training object
+    (`grounded_conversations`).
     """
-    return corpus_from(collect_documentation(stdlib_dir(), modules, sources), seed)
+    return corpus_from(collect_documentation(stdlib_dir(), modules, sources), seed, grounded)
 
 
 def collect_documentation(
@@ -116,21 +140,66 @@ def collect_documentation(
     return documented
 
 
-def corpus_from(documented: list[Documented], seed: int) -> Corpus:
+def corpus_from(documented: list[Documented], seed: int, grounded: int = 0) -> Corpus:
     conversations = [to_conversation(item, seed) for item in documented]
+    if grounded:
+        conversations += grounded_conversations(documented, seed, grounded)
     names = [conversation.name for conversation in conversations]
     assert len(set(names)) == len(names), "documentation names must be unique"
     return Corpus(
         train=tuple(c for c in conversations if not is_held_out(split_name(c.name))),
         held_out=tuple(c for c in conversations if is_held_out(split_name(c.name))),
-        source=corpus_source(any(item.kind == "source" for item in documented)),
+        source=corpus_source(any(item.kind == "source" for item in documented), bool(grounded)),
     )
 
 
 def split_name(name: str) -> str:
-    """The name that decides a conversation's split: a source conversation goes with its
-    object's docstring (its code holds that docstring)."""
-    return name.removeprefix(SOURCE_PREFIX)
+    """The name that decides a conversation's split: a source or grounded conversation goes
+    with its object's docstring (its code, or its prompt, holds that docstring); `#k`
+    numbers a grounded conversation's variants."""
+    return name.removeprefix(SOURCE_PREFIX).removeprefix(GROUNDED_PREFIX).partition("#")[0]
+
+
+def grounded_conversations(
+    documented: list[Documented], seed: int, variants: int
+) -> list[Conversation]:
+    """Reading comprehension over the documentation: for an object X, the prompt quotes the
+    (capped) documentation of X and of up to MAX_SIBLINGS other members of X's module or
+    class, in random order, each under a `### `name`` heading, then asks about X; the answer
+    is X's quoted entry. Each training object gets `variants` such conversations (other
+    siblings, order and question; named `grounded:X`, `grounded:X#1`, ...), a held-out one
+    gets one. No held-out text is quoted in a training prompt: a training object's siblings
+    are training objects."""
+    candidates = [item for item in documented if item.kind in GROUNDED_KINDS]
+    siblings: dict[str, list[Documented]] = collections.defaultdict(list)
+    for item in candidates:
+        siblings[item.name.rpartition(".")[0]].append(item)
+    conversations = []
+    for item, variant in itertools.product(candidates, range(variants)):
+        held_out = is_held_out(item.name)
+        if held_out and variant:
+            continue
+        name = GROUNDED_PREFIX + item.name + (f"#{variant}" if variant else "")
+        rng = random.Random(f"{seed}:{name}")
+        others = [
+            other
+            for other in siblings[item.name.rpartition(".")[0]]
+            if other is not item and (held_out or not is_held_out(other.name))
+        ]
+        quoted = rng.sample(others, min(len(others), rng.randint(1, MAX_SIBLINGS))) + [item]
+        rng.shuffle(quoted)
+        entries = "\n\n".join(
+            f"### `{other.name}`\n{cap_text(other.text, GROUNDED_CHARS)}" for other in quoted
+        )
+        question = rng.choice(GROUNDED_QUESTIONS).format(item.name)
+        conversations.append(
+            Conversation(
+                name=name,
+                question=f"{entries}\n\n{question}",
+                answer=cap_text(item.text, GROUNDED_CHARS),
+            )
+        )
+    return conversations
 
 
 def module_files(root: Path) -> list[tuple[str, Path]]:
@@ -291,8 +360,9 @@ def invented_question(
 
 
 def subject_of(conversation: Conversation) -> str:
-    """The name a question asks about (between its backticks)."""
-    return conversation.question.split("`")[1]
+    """The name a question asks about: between its last pair of backticks (a grounded
+    question quotes other names before it)."""
+    return conversation.question.split("`")[-2]
 
 
 def prompt_text(question: str) -> str:
@@ -331,13 +401,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sources", action="store_true", help="also the functions' and methods' source code"
     )
+    parser.add_argument(
+        "--grounded",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K questions per training function, method and class (a held-out one: one) "
+        "answered from its documentation quoted in the prompt among its siblings'",
+    )
     args = parser.parse_args(argv)
+    if args.grounded < 0:
+        parser.error(f"--grounded {args.grounded}: a count of variants, 0 or more")
     documented = collect_documentation(stdlib_dir(), sources=args.sources)
-    corpus = corpus_from(documented, args.seed)
+    corpus = corpus_from(documented, args.seed, args.grounded)
     save_corpus(corpus, args.out)
     print(corpus.source)
     for kind, count in sorted(collections.Counter(item.kind for item in documented).items()):
         print(f"  {kind:<8} {count:>6}")
+    num_grounded = sum(c.name.startswith(GROUNDED_PREFIX) for c in corpus.train)
+    if args.grounded:
+        print(f"  grounded {num_grounded:>6} training conversations")
     num_chars = sum(len(render_chat(c)) for c in (*corpus.train, *corpus.held_out))
     print(f"train {len(corpus.train)}, held out {len(corpus.held_out)} conversations")
     print(f"{num_chars} characters of rendered chat written to {args.out}")

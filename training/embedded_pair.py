@@ -42,7 +42,7 @@ from training.corpus import (
 from training.drafter_eval import walk_tau
 from training.embedded_configs import embedded_drafter_config, embedded_target_config
 from training.export import save_drafter, save_target
-from training.generate import generate_greedy
+from training.generate import generate_greedy, use_attention_kernel
 from training.generation_cache import cached_answers
 from training.schedule import OptimSettings
 from training.target_lm import init_target
@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     served_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = load_target_model(target_dir, served_dtype, args.device).eval()
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        use_attention_kernel(target)
     rng = random.Random(args.seed)
     chosen = rng.sample(list(corpus.train), min(args.num_generations, len(corpus.train)))
     questions = [c.question for c in chosen]
@@ -199,7 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.max_new_tokens,
         eos_ids,
         f"{str(served_dtype).removeprefix('torch.')} on {torch.device(args.device).type}",
-        lambda: generate_greedy(target, prompts, args.max_new_tokens, eos_ids, log=log),
+        lambda: generate_greedy(
+            target, prompts, args.max_new_tokens, eos_ids, log=log, verify_decode=on_gpu
+        ),
         refuse_other=args.generations is not None,
         log=log,
     )
@@ -283,7 +288,10 @@ def validate_drafter(
         for s in generated[:count]
     ]
     prompts = [tokenizer.encode(p).ids for p in held_out[:count]]
-    answers = generate_greedy(target, prompts, max_new_tokens, eos_ids, log=log)
+    on_gpu = target.embed_tokens.weight.is_cuda
+    answers = generate_greedy(
+        target, prompts, max_new_tokens, eos_ids, log=log, verify_decode=on_gpu
+    )
     result = {}
     for name, pairs in (
         ("training", trained),

@@ -14,6 +14,11 @@ H200 took 337 s for 14,192 answers, ~63 ms a step at ~290 rows; on the CPU 768 t
 questions took 121 s mixed, 97 s in batches of one length, same answers), so only the
 prompts of rare lengths share mixed batches, which still beats running each rare length
 alone (CPU, invented questions: 29 prompts in 213 s by length alone, 256 in 55 s mixed).
+
+With `verify_decode` each token is decoded as a one-token verify block and committed at
+once, as the serving engine decodes: on the GPU, after `use_attention_kernel`, rows at
+different positions then attend in one kernel launch, which prompts of many lengths (the
+grounded conversations quote documentation of any length) need.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from collections import defaultdict
 
 import torch
 
+from target_service.model.commit import commit_blocks
 from target_service.model.decoder import Qwen35TextModel
+from target_service.model.gated_attention import GatedAttention
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.state import StateShape, TargetState
 
@@ -36,12 +43,15 @@ def generate_greedy(
     max_batch: int = 512,
     log=print,
     min_group_rows: int = 64,
+    verify_decode: bool = False,
 ) -> list[list[int]]:
     """Each prompt's greedy continuation, up to and including its first EOS token."""
     outputs: list[list[int]] = [[] for _ in prompts]
     done = 0
     for group in prompt_batches(prompts, max_batch, min_group_rows):
-        rows = _generate_group(model, [prompts[i] for i in group], max_new_tokens, eos_token_ids)
+        rows = _generate_group(
+            model, [prompts[i] for i in group], max_new_tokens, eos_token_ids, verify_decode
+        )
         for index, row in zip(group, rows, strict=True):
             outputs[index] = row
         done += len(group)
@@ -74,7 +84,17 @@ def indices_by_length(prompts: list[list[int]]) -> dict[int, list[int]]:
     return by_length
 
 
-def _generate_group(model, prompts, max_new_tokens, eos_token_ids) -> list[list[int]]:
+def use_attention_kernel(model: Qwen35TextModel) -> None:
+    """Verify blocks of the target's attention layers on the Triton kernel (CUDA only), the
+    rest of the model unchanged: what `verify_decode` needs to batch rows at any position."""
+    for module in model.modules():
+        if isinstance(module, GatedAttention):
+            module.use_gpu_kernels()
+
+
+def _generate_group(
+    model, prompts, max_new_tokens, eos_token_ids, verify_decode
+) -> list[list[int]]:
     device = model.embed_tokens.weight.device
     num_rows = len(prompts)
     lengths = [len(p) for p in prompts]
@@ -92,9 +112,14 @@ def _generate_group(model, prompts, max_new_tokens, eos_token_ids) -> list[list[
     for step in range(1, max_new_tokens):
         if not active:
             break
-        batch = ForwardBatch(tuple(active), tuple(lengths[r] + step - 1 for r in active), 1, False)
+        starts = tuple(lengths[r] + step - 1 for r in active)
+        batch = ForwardBatch(tuple(active), starts, 1, verify_decode)
         last = torch.tensor([generated[r][-1] for r in active], device=device)
         hidden, _ = model(last.unsqueeze(1), batch, state)
+        if verify_decode:
+            for row in active:
+                state.block_sizes[row] = state.block_run_sizes[row] = 1
+            commit_blocks(state, active, [1] * len(active), model.recurrence_kernel)
         chosen = model.logits(hidden[:, -1]).argmax(-1).tolist()
         for row, token in zip(active, chosen, strict=True):
             generated[row].append(token)
