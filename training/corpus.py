@@ -9,8 +9,9 @@ becomes one whose answer is its source code ("How is `textwrap.dedent` implement
 out together with its docstring's conversation. With `--grounded K`, every documented function,
 method and class also becomes K reading-comprehension conversations (a held-out one: one):
 the prompt quotes the documentation of the object and of up to three of its siblings, and
-the answer is the object's entry, copied (see `grounded_conversations`). A question about an object the target never saw has no right
-answer closed-book; with its documentation in the prompt it has one.
+the answer is the object's entry, copied (see `grounded_conversations`). A question about
+an object the target never saw has no right answer closed-book; with its documentation in
+the prompt it has one.
 
     python -m training.corpus --out corpus.json [--sources] [--grounded 3]
 """
@@ -186,7 +187,7 @@ def grounded_conversations(
             for other in siblings[item.name.rpartition(".")[0]]
             if other is not item and (held_out or not is_held_out(other.name))
         ]
-        quoted = rng.sample(others, min(len(others), rng.randint(1, MAX_SIBLINGS))) + [item]
+        quoted = [*rng.sample(others, min(len(others), rng.randint(1, MAX_SIBLINGS))), item]
         rng.shuffle(quoted)
         entries = "\n\n".join(
             f"### `{other.name}`\n{cap_text(other.text, GROUNDED_CHARS)}" for other in quoted

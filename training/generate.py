@@ -29,8 +29,8 @@ import torch
 
 from target_service.model.commit import commit_blocks
 from target_service.model.decoder import Qwen35TextModel
-from target_service.model.gated_attention import GatedAttention
 from target_service.model.forward_batch import ForwardBatch
+from target_service.model.gated_attention import GatedAttention
 from target_service.model.state import StateShape, TargetState
 
 
