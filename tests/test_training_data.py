@@ -17,6 +17,8 @@ from transformers import AutoTokenizer
 
 from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS, SPECIAL_TOKENS
 from training.corpus import (
+    GROUNDED_CHARS,
+    GROUNDED_PREFIX,
     MAX_ANSWER_CHARS,
     MIN_ANSWER_CHARS,
     SKIPPED_DIRS,
@@ -29,6 +31,7 @@ from training.corpus import (
     prompt_text,
     render_chat,
     save_corpus,
+    subject_of,
 )
 from training.tokenizer import train_tokenizer, write_tokenizer
 
@@ -143,6 +146,68 @@ def test_a_source_is_held_out_with_its_docstring(with_sources, corpus):
     assert [c for c in with_sources.held_out if not c.name.startswith(SOURCE_PREFIX)] == list(
         documented.held_out
     )
+
+
+MODULES = {"json", "textwrap", "asyncio"}
+
+
+@pytest.fixture(scope="module")
+def grounded():
+    return build_corpus(seed=0, modules=MODULES, grounded=2)
+
+
+def quoted_entries(question: str) -> dict[str, str]:
+    """A grounded prompt parsed independently: heading name → the text under it."""
+    body, _, _ = question.rpartition("\n\n")
+    parts = re.split(r"(?:^|\n\n)### `([^`]+)`\n", body)
+    assert parts[0] == "", question[:80]
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_grounded_answers_are_the_text_under_the_asked_heading(grounded):
+    conversations = [c for c in (*grounded.train, *grounded.held_out)
+                     if c.name.startswith(GROUNDED_PREFIX)]  # fmt: skip
+    assert len(conversations) > 400
+    for conversation in conversations:
+        asked = conversation.name.removeprefix(GROUNDED_PREFIX).partition("#")[0]
+        assert subject_of(conversation) == asked
+        entries = quoted_entries(conversation.question)
+        assert asked in entries and 1 <= len(entries) <= 4, conversation.name
+        assert entries[asked] == conversation.answer
+        assert len(set(entries.values())) == len(entries)  # no ambiguous answer
+        assert all(len(text) <= GROUNDED_CHARS for text in entries.values())
+        siblings = {name.rpartition(".")[0] for name in entries}
+        assert siblings == {asked.rpartition(".")[0]}, conversation.name
+
+
+def test_held_out_grounded_prompts_quote_real_documentation_and_training_ones_no_held_out_text(
+    grounded,
+):
+    plain = build_corpus(seed=0, modules=MODULES)
+    documentation = {c.name: c.answer for c in (*plain.train, *plain.held_out)}
+    held_out_texts = {cap_text(documentation[c.name], GROUNDED_CHARS) for c in plain.held_out}
+    held = [c for c in grounded.held_out if c.name.startswith(GROUNDED_PREFIX)]
+    assert held and all("#" not in c.name for c in held)  # one variant each
+    for conversation in held:
+        for name, text in quoted_entries(conversation.question).items():
+            assert text == cap_text(documentation[name], GROUNDED_CHARS), name
+    trained = [c for c in grounded.train if c.name.startswith(GROUNDED_PREFIX)]
+    names = {c.name.partition("#")[0] for c in trained}
+    assert len(trained) == 2 * len(names)  # two variants per training object
+    relabelled = 0
+    for conversation in trained:
+        entries = quoted_entries(conversation.question)
+        assert held_out_texts.isdisjoint(entries.values()), conversation.name
+        relabelled += sum(
+            text != cap_text(documentation.get(name, ""), GROUNDED_CHARS)
+            for name, text in entries.items()
+        )
+    assert relabelled > 0.9 * sum(len(quoted_entries(c.question)) for c in trained)
+    # The closed-book conversations and their split are as without grounded ones.
+    assert [c for c in grounded.train if not c.name.startswith(GROUNDED_PREFIX)] == list(
+        plain.train
+    )
+    assert "quoted in the prompt" in grounded.source
 
 
 def test_the_validation_split_is_part_of_training_and_about_three_percent(corpus):

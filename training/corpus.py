@@ -103,7 +103,12 @@ def stdlib_dir() -> Path:
 def corpus_source(sources: bool = False, grounded: bool = False) -> str:
     version = ".".join(str(part) for part in sys.version_info[:3])
     code = ", function and method source code" if sources else ""
-    quoted = "; questions answered from documentation quoted in the prompt" if grounded else ""
+    quoted = (
+        "; questions answered from documentation quoted in the prompt (in training prompts, "
+        "under other objects' headings)"
+        if grounded
+        else ""
+    )
     return (
         f"CPython {version} standard library docstrings{code} and pydoc_data topics "
         f"(PSF-2.0){quoted}"
@@ -164,17 +169,23 @@ def split_name(name: str) -> str:
 def grounded_conversations(
     documented: list[Documented], seed: int, variants: int
 ) -> list[Conversation]:
-    """Reading comprehension over the documentation: for an object X, the prompt quotes the
-    (capped) documentation of X and of up to MAX_SIBLINGS other members of X's module or
-    class, in random order, each under a `### `name`` heading, then asks about X; the answer
-    is X's quoted entry. Each training object gets `variants` such conversations (other
-    siblings, order and question; named `grounded:X`, `grounded:X#1`, ...), a held-out one
-    gets one. No held-out text is quoted in a training prompt: a training object's siblings
-    are training objects."""
+    """Reading comprehension over the documentation: for an object X, the prompt quotes
+    X and up to MAX_SIBLINGS other members of X's module or class, in random order, each
+    under a `### `name`` heading with (capped) documentation below it, then asks about X;
+    the answer is the text under X's heading. Each training object gets `variants` such
+    conversations (other siblings, order, texts and question; named `grounded:X`,
+    `grounded:X#1`, ...), a held-out one gets one.
+
+    A held-out prompt quotes each object's own documentation. A training prompt quotes
+    texts of randomly drawn training objects under the headings instead: with their own
+    texts (commit 3e26e4f) the target answered every training prompt from memory (the
+    closed-book conversations teach X's documentation too) and read no held-out prompt
+    (0 of 48 right). No held-out text is quoted in a training prompt."""
     candidates = [item for item in documented if item.kind in GROUNDED_KINDS]
     siblings: dict[str, list[Documented]] = collections.defaultdict(list)
     for item in candidates:
         siblings[item.name.rpartition(".")[0]].append(item)
+    training_texts = [item.text for item in candidates if not is_held_out(item.name)]
     conversations = []
     for item, variant in itertools.product(candidates, range(variants)):
         held_out = is_held_out(item.name)
@@ -189,18 +200,31 @@ def grounded_conversations(
         ]
         quoted = [*rng.sample(others, min(len(others), rng.randint(1, MAX_SIBLINGS))), item]
         rng.shuffle(quoted)
+        if held_out:
+            texts = [cap_text(other.text, GROUNDED_CHARS) for other in quoted]
+        else:
+            texts = [
+                cap_text(text, GROUNDED_CHARS)
+                for text in _distinct(training_texts, len(quoted), rng)
+            ]
         entries = "\n\n".join(
-            f"### `{other.name}`\n{cap_text(other.text, GROUNDED_CHARS)}" for other in quoted
+            f"### `{other.name}`\n{text}" for other, text in zip(quoted, texts, strict=True)
         )
         question = rng.choice(GROUNDED_QUESTIONS).format(item.name)
-        conversations.append(
-            Conversation(
-                name=name,
-                question=f"{entries}\n\n{question}",
-                answer=cap_text(item.text, GROUNDED_CHARS),
-            )
-        )
+        answer = texts[quoted.index(item)]
+        conversations.append(Conversation(name, f"{entries}\n\n{question}", answer))
     return conversations
+
+
+def _distinct(texts: list[str], count: int, rng: random.Random) -> list[str]:
+    """`count` different texts drawn from `texts` (some docstrings are shared by several
+    objects; two equal entries would make the answer ambiguous)."""
+    chosen: list[str] = []
+    while len(chosen) < count:
+        text = rng.choice(texts)
+        if text not in chosen:
+            chosen.append(text)
+    return chosen
 
 
 def module_files(root: Path) -> list[tuple[str, Path]]:
