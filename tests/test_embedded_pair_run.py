@@ -26,6 +26,7 @@ def test_a_drafter_run_records_its_schedule_and_reuses_its_answers(tmp_path):
         "--corpus", str(corpus), "--reuse-target", str(EMBEDDED_DIR / "target"),
         "--device", "cpu", "--num-generations", "2", "--max-new-tokens", "4",
         "--drafter-steps", "1", "--drafter-batch", "2", "--num-validation", "0",
+        "--num-answer-checks", "2",
         "--drafter-peak-lr", "3e-4", "--drafter-warmup-steps", "0", "--commit", "test",
     ]  # fmt: skip
     first = main(["--out-dir", str(tmp_path / "first"), *argv])

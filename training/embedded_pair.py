@@ -10,7 +10,9 @@ drafter's served-equivalent τ on training and held-out prompts, `validation`). 
 --num-swapped / --num-invented / --pick-by-length change the drafter's data (see
 `train_drafter.behind_other_prompts`); --target-eval-every keeps the target's weights where
 its loss on a validation split of the training conversations was lowest; --generate-only
-stops once the target's answers are written (for a later run's --generations).
+stops once the target's answers are written (for a later run's --generations). Before any
+drafter work the log counts the target's exactly right answers by kind of question
+(`answers_right`, `training.answer_accuracy`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tokenizers import Tokenizer
 from bench.timing import run_facts
 from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS
 from target_service.model.loader import load_target_model
+from training.answer_accuracy import answer_groups, count_right
 from training.corpus import (
     build_corpus,
     invented_question,
@@ -136,6 +139,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="stop once the target's answers are written (--generations or OUT_DIR/"
         "generations.json): generating many is a command of its own on a time-limited GPU",
     )
+    parser.add_argument(
+        "--num-answer-checks",
+        type=int,
+        default=48,
+        help="questions per kind (closed-book/grounded, held-out/training) whose greedy answer "
+        "is checked against the reference text before any drafter work (0: none)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--drafter-budget-s", type=float, default=120.0)
     parser.add_argument("--drafter-steps", type=int)
@@ -186,6 +196,12 @@ def main(argv: list[str] | None = None) -> dict:
     on_gpu = args.device == "cuda"
     if on_gpu:
         use_attention_kernel(target)
+    if args.num_answer_checks:
+        log("answers checked against the reference text:")
+        groups = answer_groups(corpus, args.num_answer_checks)
+        record["answers_right"] = count_right(
+            target, tokenizer, groups, eos_ids, args.max_new_tokens, on_gpu, log
+        )
     rng = random.Random(args.seed)
     chosen = rng.sample(list(corpus.train), min(args.num_generations, len(corpus.train)))
     questions = [c.question for c in chosen]

@@ -1,0 +1,97 @@
+"""How many of the target's greedy answers are exactly right, by kind of question.
+
+Acceptance length cannot tell a target that recalls or reads its answers from one that
+only sounds right: fluent wrong text is as easy to draft as true text. This count can.
+Groups: closed-book and grounded (documentation quoted in the prompt) questions, held out
+and from training; a right answer is the reference text exactly (surrounding whitespace
+aside), greedy, within `max_new_tokens`.
+
+    python -m training.answer_accuracy --target DIR --corpus corpus.json [--count 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS
+from target_service.model.loader import load_target_model
+from training.corpus import GROUNDED_PREFIX, Conversation, Corpus, load_corpus, prompt_text
+from training.generate import generate_greedy, use_attention_kernel
+
+
+def answer_groups(corpus: Corpus, count: int) -> dict[str, list[Conversation]]:
+    """Up to `count` conversations of each non-empty group; training ones taken at an even
+    stride through the corpus, so that they span its modules."""
+
+    def grounded(conversation: Conversation) -> bool:
+        return conversation.name.startswith(GROUNDED_PREFIX)
+
+    def spread(conversations: list[Conversation]) -> list[Conversation]:
+        return conversations[:: max(1, len(conversations) // count)][:count]
+
+    groups = {
+        "held_out": [c for c in corpus.held_out if not grounded(c)][:count],
+        "held_out_grounded": [c for c in corpus.held_out if grounded(c)][:count],
+        "training": spread([c for c in corpus.train if not grounded(c)]),
+        "training_grounded": spread([c for c in corpus.train if grounded(c)]),
+    }
+    return {name: group for name, group in groups.items() if group}
+
+
+def count_right(
+    target,
+    tokenizer: Tokenizer,
+    groups: dict[str, list[Conversation]],
+    eos_ids: list[int],
+    max_new_tokens: int,
+    verify_decode: bool = False,
+    log=print,
+) -> dict[str, dict[str, int]]:
+    """{group: {"right": n, "of": size}} for the target's greedy answers."""
+    result = {}
+    for name, conversations in groups.items():
+        prompts = [tokenizer.encode(prompt_text(c.question)).ids for c in conversations]
+        answers = generate_greedy(
+            target, prompts, max_new_tokens, eos_ids, log=lambda _: None,
+            verify_decode=verify_decode,
+        )  # fmt: skip
+        right = sum(
+            tokenizer.decode([t for t in answer if t not in eos_ids]).strip() == c.answer.strip()
+            for c, answer in zip(conversations, answers, strict=True)
+        )
+        result[name] = {"right": right, "of": len(conversations)}
+        log(f"  {name}: {right} of {len(conversations)} answers right")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=Path, required=True, help="target dir with tokenizer")
+    parser.add_argument(
+        "--corpus", type=Path, required=True, help="corpus the target was trained on"
+    )
+    parser.add_argument("--count", type=int, default=48, help="questions per group")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    on_gpu = args.device == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    target = load_target_model(args.target, dtype, args.device).eval()
+    if on_gpu:
+        use_attention_kernel(target)
+    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
+    specials = {name: tokenizer.token_to_id(name) for name in ALL_SPECIAL_TOKENS}
+    eos_ids = [specials["<|im_end|>"], specials["<|endoftext|>"]]
+    groups = answer_groups(load_corpus(args.corpus), args.count)
+    result = count_right(target, tokenizer, groups, eos_ids, args.max_new_tokens, on_gpu)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
