@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import json
 import random
+import re
 import sys
 import sysconfig
 import textwrap
@@ -66,6 +67,9 @@ GROUNDED_KINDS = ("function", "method", "class")
 # entries and the question stay within ~600 tokens of the embedded tokenizer.
 GROUNDED_CHARS = 480
 MAX_SIBLINGS = 3
+# Words of a training prompt's quoted texts replaced at random (see grounded_conversations).
+SWAPPED_WORDS = 0.2
+WORD = re.compile(r"[A-Za-z]{3,}")
 GROUNDED_QUESTIONS = (
     "According to this documentation, what does `{}` do?",
     "What does the documentation above say about `{}`?",
@@ -177,15 +181,18 @@ def grounded_conversations(
     `grounded:X#1`, ...), a held-out one gets one.
 
     A held-out prompt quotes each object's own documentation. A training prompt quotes
-    texts of randomly drawn training objects under the headings instead: with their own
+    texts of randomly drawn training objects under the headings instead, with a
+    SWAPPED_WORDS fraction of their words replaced by random corpus words: with their own
     texts (commit 3e26e4f) the target answered every training prompt from memory (the
     closed-book conversations teach X's documentation too) and read no held-out prompt
-    (0 of 48 right). No held-out text is quoted in a training prompt."""
+    (0 of 48 right); with whole memorised texts it could still read only the first words
+    and recite the rest. No held-out text is quoted in a training prompt."""
     candidates = [item for item in documented if item.kind in GROUNDED_KINDS]
     siblings: dict[str, list[Documented]] = collections.defaultdict(list)
     for item in candidates:
         siblings[item.name.rpartition(".")[0]].append(item)
     training_texts = [item.text for item in candidates if not is_held_out(item.name)]
+    words = sorted({word for text in training_texts for word in WORD.findall(text)})
     conversations = []
     for item, variant in itertools.product(candidates, range(variants)):
         held_out = is_held_out(item.name)
@@ -204,7 +211,7 @@ def grounded_conversations(
             texts = [cap_text(other.text, GROUNDED_CHARS) for other in quoted]
         else:
             texts = [
-                cap_text(text, GROUNDED_CHARS)
+                cap_text(_swap_words(text, words, rng), GROUNDED_CHARS)
                 for text in _distinct(training_texts, len(quoted), rng)
             ]
         entries = "\n\n".join(
@@ -214,6 +221,20 @@ def grounded_conversations(
         answer = texts[quoted.index(item)]
         conversations.append(Conversation(name, f"{entries}\n\n{question}", answer))
     return conversations
+
+
+def _swap_words(text: str, words: list[str], rng: random.Random) -> str:
+    """`text` with each word (WORD) replaced by a random one of `words` with probability
+    SWAPPED_WORDS, at least one: text no model can continue from memory, only copy."""
+    spans = [match.span() for match in WORD.finditer(text)]
+    chosen = [span for span in spans if rng.random() < SWAPPED_WORDS]
+    if not chosen and spans:
+        chosen = [rng.choice(spans)]
+    pieces, end = [], 0
+    for start, stop in chosen:
+        pieces += [text[end:start], rng.choice(words)]
+        end = stop
+    return "".join([*pieces, text[end:]])
 
 
 def _distinct(texts: list[str], count: int, rng: random.Random) -> list[str]:
