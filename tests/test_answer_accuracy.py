@@ -6,7 +6,9 @@ import torch
 from tokenizers import Tokenizer
 
 from launcher.embedded_default import EMBEDDED_DIR
+from target_service.engine import TargetEngine
 from target_service.model.loader import load_target_model
+from target_service.model.state import StateShape
 from training.answer_accuracy import answer_groups, count_right
 from training.corpus import Conversation, Corpus, prompt_text
 from training.generate import generate_greedy
@@ -30,7 +32,24 @@ def test_an_answer_counts_as_right_only_when_it_is_the_reference_text():
     groups = answer_groups(corpus, 8)
     assert groups == {"held_out_grounded": [grounded], "training": [right, wrong]}
     counts = count_right(target, tokenizer, groups, eos, 24, log=lambda _: None)
-    assert counts == {"held_out_grounded": {"right": 1, "of": 1}, "training": {"right": 1, "of": 2}}
+    assert {name: (c["right"], c["of"]) for name, c in counts.items()} == {
+        "held_out_grounded": (1, 1),
+        "training": (1, 2),
+    }
+    # Token accuracy, recomputed by the engine: each reference prefix prefilled afresh.
+    engine = TargetEngine(target, StateShape(max_slots=1, max_len=256))
+    correct = total = 0
+    for conversation in (right, wrong):
+        prompt = tokenizer.encode(prompt_text(conversation.question)).ids
+        reference = tokenizer.encode(conversation.answer + "<|im_end|>").ids
+        for k, expected in enumerate(reference):
+            slot = engine.open_sequence()
+            predicted = int(engine.prefill(slot, prompt + reference[:k]).last_logits.argmax())
+            engine.close_sequence(slot)
+            correct += predicted == expected
+            total += 1
+    assert 0 < correct < total
+    assert counts["training"]["token_accuracy"] == round(correct / total, 4)
 
 
 def test_training_groups_are_spread_over_the_corpus():

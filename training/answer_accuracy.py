@@ -4,7 +4,10 @@ Acceptance length cannot tell a target that recalls or reads its answers from on
 only sounds right: fluent wrong text is as easy to draft as true text. This count can.
 Groups: closed-book and grounded (documentation quoted in the prompt) questions, held out
 and from training; a right answer is the reference text exactly (surrounding whitespace
-aside), greedy, within `max_new_tokens`.
+aside), greedy, within `max_new_tokens`. Since one wrong token makes a whole answer wrong,
+each group also gets its token accuracy: the fraction of reference tokens (and the closing
+`<|im_end|>`) the target predicts given the reference before them, which shows a target
+learning to copy from its prompt long before its answers come out whole.
 
     python -m training.answer_accuracy --target DIR --corpus corpus.json [--count 48]
 """
@@ -22,6 +25,8 @@ from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS
 from target_service.model.loader import load_target_model
 from training.corpus import GROUNDED_PREFIX, Conversation, Corpus, load_corpus, prompt_text
 from training.generate import generate_greedy, use_attention_kernel
+from training.target_lm import forward_rows
+from training.tokenizer import conversation_ids
 
 
 def answer_groups(corpus: Corpus, count: int) -> dict[str, list[Conversation]]:
@@ -52,7 +57,8 @@ def count_right(
     verify_decode: bool = False,
     log=print,
 ) -> dict[str, dict[str, int]]:
-    """{group: {"right": n, "of": size}} for the target's greedy answers."""
+    """{group: {"right": n, "of": size, "token_accuracy": a}} for the target's greedy
+    answers and its predictions of the reference tokens."""
     result = {}
     for name, conversations in groups.items():
         prompts = [tokenizer.encode(prompt_text(c.question)).ids for c in conversations]
@@ -64,9 +70,27 @@ def count_right(
             tokenizer.decode([t for t in answer if t not in eos_ids]).strip() == c.answer.strip()
             for c, answer in zip(conversations, answers, strict=True)
         )
-        result[name] = {"right": right, "of": len(conversations)}
-        log(f"  {name}: {right} of {len(conversations)} answers right")
+        accuracy = round(token_accuracy(target, tokenizer, conversations), 4)
+        result[name] = {"right": right, "of": len(conversations), "token_accuracy": accuracy}
+        log(f"  {name}: {right} of {len(conversations)} answers right, tokens {accuracy:.3f}")
     return result
+
+
+@torch.inference_mode()
+def token_accuracy(target, tokenizer: Tokenizer, conversations: list[Conversation]) -> float:
+    """The fraction of the answers' tokens (as trained: answer, `<|im_end|>`, newline
+    excluded) whose greedy prediction from the reference prefix is that token."""
+    device = target.embed_tokens.weight.device
+    correct = total = 0
+    for conversation in conversations:
+        prompt = prompt_text(conversation.question)
+        ids = conversation_ids(tokenizer, prompt, conversation.answer)[:-1]  # the newline
+        first = len(tokenizer.encode(prompt).ids)
+        logits, _ = forward_rows(target, torch.tensor([ids[:-1]], device=device))
+        predicted = logits[0, first - 1 :].argmax(-1).tolist()
+        correct += sum(p == t for p, t in zip(predicted, ids[first:], strict=True))
+        total += len(ids) - first
+    return correct / total
 
 
 def main(argv: list[str] | None = None) -> dict:
