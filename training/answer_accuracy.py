@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS
-from target_service.model.loader import load_target_model
-from training.corpus import GROUNDED_PREFIX, Conversation, Corpus, load_corpus, prompt_text
-from training.generate import generate_greedy, use_attention_kernel
+from dflash_serve.checkpoint.byte_tokenizer import special_ids_in
+from training.corpus import Conversation, Corpus, is_grounded, load_corpus, prompt_text
+from training.generate import generate_greedy, load_generating_target
 from training.target_lm import forward_rows
 from training.tokenizer import conversation_ids
 
@@ -33,17 +32,14 @@ def answer_groups(corpus: Corpus, count: int) -> dict[str, list[Conversation]]:
     """Up to `count` conversations of each non-empty group; training ones taken at an even
     stride through the corpus, so that they span its modules."""
 
-    def grounded(conversation: Conversation) -> bool:
-        return conversation.name.startswith(GROUNDED_PREFIX)
-
     def spread(conversations: list[Conversation]) -> list[Conversation]:
         return conversations[:: max(1, len(conversations) // count)][:count]
 
     groups = {
-        "held_out": [c for c in corpus.held_out if not grounded(c)][:count],
-        "held_out_grounded": [c for c in corpus.held_out if grounded(c)][:count],
-        "training": spread([c for c in corpus.train if not grounded(c)]),
-        "training_grounded": spread([c for c in corpus.train if grounded(c)]),
+        "held_out": [c for c in corpus.held_out if not is_grounded(c)][:count],
+        "held_out_grounded": [c for c in corpus.held_out if is_grounded(c)][:count],
+        "training": spread([c for c in corpus.train if not is_grounded(c)]),
+        "training_grounded": spread([c for c in corpus.train if is_grounded(c)]),
     }
     return {name: group for name, group in groups.items() if group}
 
@@ -54,7 +50,6 @@ def count_right(
     groups: dict[str, list[Conversation]],
     eos_ids: list[int],
     max_new_tokens: int,
-    verify_decode: bool = False,
     log=print,
 ) -> dict[str, dict[str, int]]:
     """{group: {"right": n, "of": size, "token_accuracy": a}} for the target's greedy
@@ -62,10 +57,7 @@ def count_right(
     result = {}
     for name, conversations in groups.items():
         prompts = [tokenizer.encode(prompt_text(c.question)).ids for c in conversations]
-        answers = generate_greedy(
-            target, prompts, max_new_tokens, eos_ids, log=lambda _: None,
-            verify_decode=verify_decode,
-        )  # fmt: skip
+        answers = generate_greedy(target, prompts, max_new_tokens, eos_ids, log=lambda _: None)
         right = sum(
             tokenizer.decode([t for t in answer if t not in eos_ids]).strip() == c.answer.strip()
             for c, answer in zip(conversations, answers, strict=True)
@@ -103,16 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    on_gpu = args.device == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    target = load_target_model(args.target, dtype, args.device).eval()
-    if on_gpu:
-        use_attention_kernel(target)
+    target = load_generating_target(args.target, args.device)
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
-    specials = {name: tokenizer.token_to_id(name) for name in ALL_SPECIAL_TOKENS}
+    specials = special_ids_in(tokenizer)
     eos_ids = [specials["<|im_end|>"], specials["<|endoftext|>"]]
     groups = answer_groups(load_corpus(args.corpus), args.count)
-    result = count_right(target, tokenizer, groups, eos_ids, args.max_new_tokens, on_gpu)
+    result = count_right(target, tokenizer, groups, eos_ids, args.max_new_tokens)
     print(json.dumps(result))
     return result
 

@@ -223,6 +223,10 @@ def grounded_conversations(
     return conversations
 
 
+def is_grounded(conversation: Conversation) -> bool:
+    return conversation.name.startswith(GROUNDED_PREFIX)
+
+
 def _swap_words(text: str, words: list[str], rng: random.Random) -> str:
     """`text` with each word (WORD) replaced by a random one of `words` with probability
     SWAPPED_WORDS, at least one: text no model can continue from memory, only copy."""
@@ -464,8 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     print(corpus.source)
     for kind, count in sorted(collections.Counter(item.kind for item in documented).items()):
         print(f"  {kind:<8} {count:>6}")
-    num_grounded = sum(c.name.startswith(GROUNDED_PREFIX) for c in corpus.train)
     if args.grounded:
+        num_grounded = sum(map(is_grounded, corpus.train))
         print(f"  grounded {num_grounded:>6} training conversations")
     num_chars = sum(len(render_chat(c)) for c in (*corpus.train, *corpus.held_out))
     print(f"train {len(corpus.train)}, held out {len(corpus.held_out)} conversations")

@@ -29,8 +29,7 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.timing import run_facts
-from dflash_serve.checkpoint.byte_tokenizer import ALL_SPECIAL_TOKENS
-from target_service.model.loader import load_target_model
+from dflash_serve.checkpoint.byte_tokenizer import special_ids_in
 from training.answer_accuracy import answer_groups, count_right
 from training.corpus import (
     build_corpus,
@@ -45,7 +44,7 @@ from training.corpus import (
 from training.drafter_eval import walk_tau
 from training.embedded_configs import embedded_drafter_config, embedded_target_config
 from training.export import save_drafter, save_target
-from training.generate import generate_greedy, use_attention_kernel
+from training.generate import generate_greedy, load_generating_target
 from training.generation_cache import cached_answers
 from training.schedule import OptimSettings
 from training.target_lm import init_target
@@ -182,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.reuse_target:
         target_dir = args.reuse_target
         tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-        specials = {name: tokenizer.token_to_id(name) for name in ALL_SPECIAL_TOKENS}
+        specials = special_ids_in(tokenizer)
         record["target_training"] = f"reused {target_dir}"
     else:
         tokenizer = train_tokenizer((render_chat(c) for c in corpus.train), args.vocab_size)
@@ -191,16 +190,13 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.reuse_target:
         train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, record)
 
-    served_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    target = load_target_model(target_dir, served_dtype, args.device).eval()
-    on_gpu = args.device == "cuda"
-    if on_gpu:
-        use_attention_kernel(target)
+    target = load_generating_target(target_dir, args.device)
+    served_dtype = target.embed_tokens.weight.dtype
     if args.num_answer_checks:
         log("answers checked against the reference text:")
         groups = answer_groups(corpus, args.num_answer_checks)
         record["answers_right"] = count_right(
-            target, tokenizer, groups, eos_ids, args.max_new_tokens, on_gpu, log
+            target, tokenizer, groups, eos_ids, args.max_new_tokens, log
         )
     rng = random.Random(args.seed)
     chosen = rng.sample(list(corpus.train), min(args.num_generations, len(corpus.train)))
@@ -218,9 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.max_new_tokens,
         eos_ids,
         f"{str(served_dtype).removeprefix('torch.')} on {torch.device(args.device).type}",
-        lambda: generate_greedy(
-            target, prompts, args.max_new_tokens, eos_ids, log=log, verify_decode=on_gpu
-        ),
+        lambda: generate_greedy(target, prompts, args.max_new_tokens, eos_ids, log=log),
         refuse_other=args.generations is not None,
         log=log,
     )
@@ -304,10 +298,7 @@ def validate_drafter(
         for s in generated[:count]
     ]
     prompts = [tokenizer.encode(p).ids for p in held_out[:count]]
-    on_gpu = target.embed_tokens.weight.is_cuda
-    answers = generate_greedy(
-        target, prompts, max_new_tokens, eos_ids, log=log, verify_decode=on_gpu
-    )
+    answers = generate_greedy(target, prompts, max_new_tokens, eos_ids, log=log)
     result = {}
     for name, pairs in (
         ("training", trained),

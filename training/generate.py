@@ -15,10 +15,11 @@ questions took 121 s mixed, 97 s in batches of one length, same answers), so onl
 prompts of rare lengths share mixed batches, which still beats running each rare length
 alone (CPU, invented questions: 29 prompts in 213 s by length alone, 256 in 55 s mixed).
 
-With `verify_decode` each token is decoded as a one-token verify block and committed at
-once, as the serving engine decodes: on the GPU, after `use_attention_kernel`, rows at
-different positions then attend in one kernel launch, which prompts of many lengths (the
-grounded conversations quote documentation of any length) need.
+With `verify_decode` (by default: when the attention layers run the kernel, as
+`load_generating_target` sets them up on the GPU) each token is decoded as a one-token
+verify block and committed at once, as the serving engine decodes: rows at different
+positions then attend in one kernel launch, which prompts of many lengths (the grounded
+conversations quote documentation of any length) need.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from target_service.model.commit import commit_blocks
 from target_service.model.decoder import Qwen35TextModel
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.gated_attention import GatedAttention
+from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape, TargetState
 
 
@@ -43,9 +45,11 @@ def generate_greedy(
     max_batch: int = 512,
     log=print,
     min_group_rows: int = 64,
-    verify_decode: bool = False,
+    verify_decode: bool | None = None,
 ) -> list[list[int]]:
     """Each prompt's greedy continuation, up to and including its first EOS token."""
+    if verify_decode is None:
+        verify_decode = runs_attention_kernel(model)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = 0
     for group in prompt_batches(prompts, max_batch, min_group_rows):
@@ -84,12 +88,30 @@ def indices_by_length(prompts: list[list[int]]) -> dict[int, list[int]]:
     return by_length
 
 
+def load_generating_target(target_dir, device: str) -> Qwen35TextModel:
+    """The target as training generates with it: bf16 with the attention kernel on CUDA
+    (`use_attention_kernel`), fp32 on the CPU, in eval mode."""
+    on_gpu = torch.device(device).type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    model = load_target_model(target_dir, dtype, device).eval()
+    if on_gpu:
+        use_attention_kernel(model)
+    return model
+
+
 def use_attention_kernel(model: Qwen35TextModel) -> None:
     """Verify blocks of the target's attention layers on the Triton kernel (CUDA only), the
     rest of the model unchanged: what `verify_decode` needs to batch rows at any position."""
     for module in model.modules():
         if isinstance(module, GatedAttention):
             module.use_gpu_kernels()
+
+
+def runs_attention_kernel(model: Qwen35TextModel) -> bool:
+    return any(
+        isinstance(module, GatedAttention) and module.attention_kernel is not None
+        for module in model.modules()
+    )
 
 
 def _generate_group(

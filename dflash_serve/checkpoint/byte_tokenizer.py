@@ -54,6 +54,12 @@ def write_byte_tokenizer(model_dir: Path) -> dict[str, int]:
     return specials
 
 
+def special_ids_in(tokenizer: Tokenizer) -> dict[str, int | None]:
+    """The id of each token in ALL_SPECIAL_TOKENS in any tokenizer (None where it lacks
+    one); `special_token_ids` gives the byte-level tokenizer's fixed ones."""
+    return {name: tokenizer.token_to_id(name) for name in ALL_SPECIAL_TOKENS}
+
+
 def write_tokenizer_files(
     tokenizer: Tokenizer, model_dir: Path, chat_template: str = CHAT_TEMPLATE
 ) -> dict[str, int]:
@@ -62,7 +68,7 @@ def write_tokenizer_files(
     Writes tokenizer.json, tokenizer_config.json and chat_template.jinja into model_dir and
     returns the id of each token in ALL_SPECIAL_TOKENS.
     """
-    specials = {name: tokenizer.token_to_id(name) for name in ALL_SPECIAL_TOKENS}
+    specials = special_ids_in(tokenizer)
     missing = [name for name, token_id in specials.items() if token_id is None]
     if missing:
         raise ValueError(f"tokenizer must contain all of {ALL_SPECIAL_TOKENS}, but lacks {missing}")
