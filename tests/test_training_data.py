@@ -229,6 +229,31 @@ def test_held_out_grounded_prompts_quote_real_documentation_and_training_ones_no
     assert "quoted in the prompt" in grounded.source
 
 
+def test_swapped_words_sets_the_fraction_of_training_words_replaced():
+    """--swapped-words 1: every word of a grounded training text is a random corpus word
+    (word salad no model can recall), the held-out prompts stay real documentation."""
+    salad = build_corpus(seed=0, modules=MODULES, grounded=1, swapped_words=1.0)
+    plain = build_corpus(seed=0, modules=MODULES, grounded=1)
+    documentation = {c.name: c.answer for c in (*plain.train, *plain.held_out)}
+    originals = [WORD.findall(cap_text(text, GROUNDED_CHARS)) for text in documentation.values()]
+    trained = [c for c in salad.train if c.name.startswith(GROUNDED_PREFIX)]
+    assert [c.name for c in trained] == [
+        c.name for c in plain.train if c.name.startswith(GROUNDED_PREFIX)
+    ]
+    kept = total = 0
+    for conversation in trained[::10]:
+        for text in quoted_entries(conversation.question).values():
+            words = WORD.findall(text)
+            same = max(
+                (sum(a == b for a, b in zip(words, original, strict=True))
+                 for original in originals if len(original) == len(words)),
+                default=0,
+            )  # fmt: skip
+            kept, total = kept + same, total + len(words)
+    assert total > 1000 and kept < 0.05 * total
+    assert salad.held_out == plain.held_out
+
+
 def test_the_validation_split_is_part_of_training_and_about_three_percent(corpus):
     chosen = [c.name for c in corpus.train if is_validation(c.name)]
     assert 0.01 < len(chosen) / len(corpus.train) < 0.06

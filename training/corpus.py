@@ -13,7 +13,7 @@ the answer is the object's entry, copied (see `grounded_conversations`). A quest
 an object the target never saw has no right answer closed-book; with its documentation in
 the prompt it has one.
 
-    python -m training.corpus --out corpus.json [--sources] [--grounded 3]
+    python -m training.corpus --out corpus.json [--sources] [--grounded 3 [--swapped-words F]]
 """
 
 from __future__ import annotations
@@ -124,15 +124,17 @@ def build_corpus(
     modules: Collection[str] | None = None,
     sources: bool = False,
     grounded: int = 0,
+    swapped_words: float = SWAPPED_WORDS,
 ) -> Corpus:
     """The corpus of this interpreter's standard library; deterministic for a given seed.
 
     `modules` restricts the docstrings to those top-level modules/packages (tests use it to
     stay fast); the reference topics are always included. `sources`: also the functions'
     and methods' source code. `grounded`: grounded conversations per training object
-    (`grounded_conversations`).
+    (`grounded_conversations`, with `swapped_words` of their training texts' words swapped).
     """
-    return corpus_from(collect_documentation(stdlib_dir(), modules, sources), seed, grounded)
+    documented = collect_documentation(stdlib_dir(), modules, sources)
+    return corpus_from(documented, seed, grounded, swapped_words)
 
 
 def collect_documentation(
@@ -150,10 +152,15 @@ def collect_documentation(
     return documented
 
 
-def corpus_from(documented: list[Documented], seed: int, grounded: int = 0) -> Corpus:
+def corpus_from(
+    documented: list[Documented],
+    seed: int,
+    grounded: int = 0,
+    swapped_words: float = SWAPPED_WORDS,
+) -> Corpus:
     conversations = [to_conversation(item, seed) for item in documented]
     if grounded:
-        conversations += grounded_conversations(documented, seed, grounded)
+        conversations += grounded_conversations(documented, seed, grounded, swapped_words)
     names = [conversation.name for conversation in conversations]
     assert len(set(names)) == len(names), "documentation names must be unique"
     return Corpus(
@@ -171,7 +178,10 @@ def split_name(name: str) -> str:
 
 
 def grounded_conversations(
-    documented: list[Documented], seed: int, variants: int
+    documented: list[Documented],
+    seed: int,
+    variants: int,
+    swapped_words: float = SWAPPED_WORDS,
 ) -> list[Conversation]:
     """Reading comprehension over the documentation: for an object X, the prompt quotes
     X and up to MAX_SIBLINGS other members of X's module or class, in random order, each
@@ -182,7 +192,7 @@ def grounded_conversations(
 
     A held-out prompt quotes each object's own documentation. A training prompt quotes
     texts of randomly drawn training objects under the headings instead, with a
-    SWAPPED_WORDS fraction of their words replaced by random corpus words: with their own
+    `swapped_words` fraction of their words replaced by random corpus words: with their own
     texts (commit 3e26e4f) the target answered every training prompt from memory (the
     closed-book conversations teach X's documentation too) and read no held-out prompt
     (0 of 48 right); with whole memorised texts it could still read only the first words
@@ -211,7 +221,7 @@ def grounded_conversations(
             texts = [cap_text(other.text, GROUNDED_CHARS) for other in quoted]
         else:
             texts = [
-                cap_text(_swap_words(text, words, rng), GROUNDED_CHARS)
+                cap_text(_swap_words(text, words, rng, swapped_words), GROUNDED_CHARS)
                 for text in _distinct(training_texts, len(quoted), rng)
             ]
         entries = "\n\n".join(
@@ -227,11 +237,11 @@ def is_grounded(conversation: Conversation) -> bool:
     return conversation.name.startswith(GROUNDED_PREFIX)
 
 
-def _swap_words(text: str, words: list[str], rng: random.Random) -> str:
+def _swap_words(text: str, words: list[str], rng: random.Random, fraction: float) -> str:
     """`text` with each word (WORD) replaced by a random one of `words` with probability
-    SWAPPED_WORDS, at least one: text no model can continue from memory, only copy."""
+    `fraction`, at least one: text no model can continue from memory, only copy."""
     spans = [match.span() for match in WORD.finditer(text)]
-    chosen = [span for span in spans if rng.random() < SWAPPED_WORDS]
+    chosen = [span for span in spans if rng.random() < fraction]
     if not chosen and spans:
         chosen = [rng.choice(spans)]
     pieces, end = [], 0
@@ -459,11 +469,21 @@ def main(argv: list[str] | None = None) -> None:
         help="K questions per training function, method and class (a held-out one: one) "
         "answered from its documentation quoted in the prompt among its siblings'",
     )
+    parser.add_argument(
+        "--swapped-words",
+        type=float,
+        default=SWAPPED_WORDS,
+        metavar="F",
+        help=f"fraction of the words of a grounded training text swapped for random corpus "
+        f"words (default {SWAPPED_WORDS})",
+    )
     args = parser.parse_args(argv)
     if args.grounded < 0:
         parser.error(f"--grounded {args.grounded}: a count of variants, 0 or more")
+    if not 0 <= args.swapped_words <= 1:
+        parser.error(f"--swapped-words {args.swapped_words}: a fraction, 0 to 1")
     documented = collect_documentation(stdlib_dir(), sources=args.sources)
-    corpus = corpus_from(documented, args.seed, args.grounded)
+    corpus = corpus_from(documented, args.seed, args.grounded, args.swapped_words)
     save_corpus(corpus, args.out)
     print(corpus.source)
     for kind, count in sorted(collections.Counter(item.kind for item in documented).items()):
