@@ -165,6 +165,16 @@ def quoted_entries(question: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
+def words_in_place(words: list[str], originals: list[list[str]]) -> list[int]:
+    """For each original of the same word count, how many of `words` equal its word in
+    the same place (how much of a documented text survived the swaps)."""
+    return [
+        sum(a == b for a, b in zip(words, original, strict=True))
+        for original in originals
+        if len(original) == len(words)
+    ]
+
+
 def test_grounded_answers_are_the_text_under_the_asked_heading(grounded):
     conversations = [c for c in (*grounded.train, *grounded.held_out)
                      if c.name.startswith(GROUNDED_PREFIX)]  # fmt: skip
@@ -215,11 +225,7 @@ def test_held_out_grounded_prompts_quote_real_documentation_and_training_ones_no
     fractions = []
     for text in sample:
         swapped = WORD.findall(text)
-        same = max(
-            sum(a == b for a, b in zip(swapped, original, strict=True))
-            for original in originals
-            if len(original) == len(swapped)
-        )
+        same = max(words_in_place(swapped, originals))
         fractions.append(1 - same / len(swapped))
     assert 0.1 < sum(fractions) / len(fractions) < 0.3
     # The closed-book conversations and their split are as without grounded ones.
@@ -244,11 +250,7 @@ def test_swapped_words_sets_the_fraction_of_training_words_replaced():
     for conversation in trained[::10]:
         for text in quoted_entries(conversation.question).values():
             words = WORD.findall(text)
-            same = max(
-                (sum(a == b for a, b in zip(words, original, strict=True))
-                 for original in originals if len(original) == len(words)),
-                default=0,
-            )  # fmt: skip
+            same = max(words_in_place(words, originals), default=0)
             kept, total = kept + same, total + len(words)
     assert total > 1000 and kept < 0.05 * total
     assert salad.held_out == plain.held_out
