@@ -62,3 +62,23 @@ def test_generate_only_writes_the_answers_a_later_run_reuses(tmp_path):
     assert later["generation"]["reused"]
     assert later["generation"]["num_tokens"] == first["generation"]["num_tokens"]
     assert (tmp_path / "train" / "drafter" / "model.safetensors").is_file()
+
+
+def test_a_target_run_with_answer_loss_copy_warmup_and_probes_records_them(tmp_path):
+    corpus = tiny_corpus(tmp_path)
+    argv = [
+        "--corpus", str(corpus), "--out-dir", str(tmp_path / "pair"), "--device", "cpu",
+        "--vocab-size", "300", "--target-steps", "4", "--tokens-per-step", "2048",
+        "--target-loss", "answer", "--copy-warmup-steps", "2", "--target-probe-every", "2",
+        "--num-answer-checks", "0", "--num-generations", "1", "--max-new-tokens", "2",
+        "--num-validation", "0", "--generate-only", "--commit", "test",
+    ]  # fmt: skip
+    training = main(argv)["target_training"]
+    assert training["num_steps"] == 4 and training["warmup_steps"] == 2
+    assert training["loss"] == "answer"
+    steps = [step for step, _ in training["probe_by_step"]]
+    assert steps == [2, 4]
+    for _, measures in training["probe_by_step"]:
+        assert set(measures) == {"held_out", "copy_drills"}  # no grounded question here
+        assert all(0.0 <= value <= 1.0 for value in measures.values())
+    assert (tmp_path / "pair" / "target" / "model.safetensors").is_file()

@@ -19,6 +19,7 @@ from target_service.model.chunked_delta_rule import chunked_gated_delta_rule
 from target_service.model.delta_rule import gated_delta_rule
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
+from training.copy_drills import copy_drills
 from training.drafter_blocks import block_logits, block_loss, sample_anchors
 from training.export import save_drafter, save_target
 from training.generate import generate_greedy, prompt_batches
@@ -26,7 +27,12 @@ from training.generation_cache import cached_answers
 from training.schedule import OptimSettings
 from training.target_lm import forward_rows, init_target
 from training.train_drafter import init_drafter
-from training.train_target import TargetTraining, train_target, validation_loss
+from training.train_target import (
+    BatchStream,
+    TargetTraining,
+    train_target,
+    validation_loss,
+)
 
 VOCAB = 64
 EOS = 63
@@ -97,6 +103,66 @@ def test_target_training_keeps_the_weights_of_its_lowest_validation_loss():
     assert report["kept_step"] == steps[lowest]
     assert validation_loss(model, validation, settings) == pytest.approx(min(losses), abs=1e-4)
     assert validation_loss(model, validation, settings) < losses[-1] - 0.1
+
+
+def test_loss_starts_leave_only_the_answer_tokens_labelled():
+    sequences = [[1, 2, 3, 4, 5, EOS], [7, 8, 9, EOS], [10, 11, 12, 13, EOS]]
+    starts = [3, 1, 4]  # index of the first token predicted (1: every token)
+    settings = dataclasses.replace(SHORT_TRAINING, tokens_per_step=1000)
+    inputs, labels = BatchStream(sequences, settings, starts).next_batch()
+    for row_inputs, row_labels in zip(inputs.tolist(), labels.tolist(), strict=True):
+        index = next(i for i, s in enumerate(sequences) if s[:-1] == row_inputs[: len(s) - 1])
+        sequence, start = sequences[index], starts[index]
+        expected = [-100] * (start - 1) + sequence[start:]
+        assert row_labels == expected + [-100] * (len(row_labels) - len(expected))
+
+
+def test_copy_drills_repeat_a_random_run_and_start_their_loss_at_the_copy():
+    pool = list(range(5, 60))
+    sequences, starts = copy_drills(50, pool, separator_id=2, end_id=EOS, lengths=(3, 9), seed=1)
+    assert (sequences, starts) == copy_drills(50, pool, 2, EOS, (3, 9), seed=1)
+    assert sequences != copy_drills(50, pool, 2, EOS, (3, 9), seed=2)[0]
+    sizes = set()
+    for sequence, start in zip(sequences, starts, strict=True):
+        run = sequence[: start - 1]
+        assert sequence == [*run, 2, *run, EOS] and set(run) <= set(pool)
+        sizes.add(len(run))
+    assert sizes == set(range(3, 10))
+
+
+def test_warmup_rows_train_the_first_steps_and_a_probe_runs_on_schedule():
+    """Warm-up rows for every step train exactly as those rows as the corpus would (the
+    corpus is never read), and loss starts of 1 are the whole-row loss."""
+    other = [[40, 41, 42, 43, EOS]] * 10
+    settings = dataclasses.replace(SHORT_TRAINING, warmup_steps=30, probe_every=10)
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return {"calls": float(len(calls))}
+
+    warmed = init_target(TARGET, seed=0, device="cpu")
+    report = train_target(
+        warmed, other, settings, lambda _: None, loss_starts=[1] * 10,
+        warmup_rows=(PATTERN, [1] * len(PATTERN)), probe=probe,
+    )  # fmt: skip
+    plain = init_target(TARGET, seed=0, device="cpu")
+    train_target(plain, PATTERN, SHORT_TRAINING, lambda _: None)
+    for (name, a), b in zip(warmed.state_dict().items(), plain.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    assert report["warmup_steps"] == 30
+    assert report["probe_by_step"] == [
+        (10, {"calls": 1.0}),
+        (20, {"calls": 2.0}),
+        (30, {"calls": 3.0}),
+    ]
+
+
+def test_warmup_steps_without_warmup_rows_are_refused():
+    model = init_target(TARGET, seed=0, device="cpu")
+    settings = dataclasses.replace(SHORT_TRAINING, warmup_steps=3)
+    with pytest.raises(ValueError, match="warmup_rows"):
+        train_target(model, PATTERN, settings, lambda _: None)
 
 
 def test_generate_greedy_equals_the_engines_target_only_decoding(tmp_path):

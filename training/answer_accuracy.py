@@ -68,16 +68,24 @@ def count_right(
     return result
 
 
-@torch.inference_mode()
 def token_accuracy(target, tokenizer: Tokenizer, conversations: list[Conversation]) -> float:
     """The fraction of the answers' tokens (as trained: answer, `<|im_end|>`, newline
     excluded) whose greedy prediction from the reference prefix is that token."""
-    device = target.embed_tokens.weight.device
-    correct = total = 0
+    rows = []
     for conversation in conversations:
         prompt = prompt_text(conversation.question)
         ids = conversation_ids(tokenizer, prompt, conversation.answer)[:-1]  # the newline
-        first = len(tokenizer.encode(prompt).ids)
+        rows.append((ids, len(tokenizer.encode(prompt).ids)))
+    return continuation_accuracy(target, rows)
+
+
+@torch.inference_mode()
+def continuation_accuracy(target, rows: list[tuple[list[int], int]]) -> float:
+    """Over rows (ids, first): the fraction of ids[first:] whose greedy prediction from the
+    ids before it is that token."""
+    device = target.embed_tokens.weight.device
+    correct = total = 0
+    for ids, first in rows:
         logits, _ = forward_rows(target, torch.tensor([ids[:-1]], device=device))
         predicted = logits[0, first - 1 :].argmax(-1).tolist()
         correct += sum(p == t for p, t in zip(predicted, ids[first:], strict=True))

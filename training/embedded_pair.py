@@ -30,7 +30,13 @@ from tokenizers import Tokenizer
 
 from bench.timing import run_facts
 from dflash_serve.checkpoint.byte_tokenizer import special_ids_in
-from training.answer_accuracy import answer_groups, count_right
+from training.answer_accuracy import (
+    answer_groups,
+    continuation_accuracy,
+    count_right,
+    token_accuracy,
+)
+from training.copy_drills import copy_drills
 from training.corpus import (
     build_corpus,
     invented_question,
@@ -79,6 +85,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="measure the target's loss on a validation split of the training conversations "
         "(3 %%, set aside) every N steps and keep the weights where it was lowest (0: train "
         "on every conversation to the end)",
+    )
+    parser.add_argument(
+        "--target-loss",
+        choices=("all", "answer"),
+        default="all",
+        help="the target's loss over whole conversations, or over their answers only",
+    )
+    parser.add_argument(
+        "--copy-warmup-steps",
+        type=int,
+        default=0,
+        help="train the target's first N steps on copy drills (training.copy_drills)",
+    )
+    parser.add_argument(
+        "--target-probe-every",
+        type=int,
+        default=0,
+        help="every N target steps, log token accuracy on held-out grounded and closed-book "
+        "answers and on fresh copy drills (0: none)",
     )
     parser.add_argument("--tokens-per-step", type=int, default=32768)
     parser.add_argument("--max-row-tokens", type=int, default=512)
@@ -311,16 +336,20 @@ def validate_drafter(
 
 
 def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, record) -> None:
-    def ids(conversations):
-        return [
-            conversation_ids(tokenizer, prompt_text(c.question), c.answer) for c in conversations
-        ]
+    def rows(conversations):
+        """(ids, loss start) per conversation: the answer's first index, or 1 (all)."""
+        result = []
+        for c in conversations:
+            prompt = prompt_text(c.question)
+            start = len(tokenizer.encode(prompt).ids) if args.target_loss == "answer" else 1
+            result.append((conversation_ids(tokenizer, prompt, c.answer), start))
+        return result
 
-    if args.target_eval_every:
-        sequences = ids(c for c in corpus.train if not is_validation(c.name))
-        validation = ids(c for c in corpus.train if is_validation(c.name))
-    else:
-        sequences, validation = ids(corpus.train), []
+    training = [c for c in corpus.train if not (args.target_eval_every and is_validation(c.name))]
+    sequences, loss_starts = (list(x) for x in zip(*rows(training), strict=True))
+    validation = [
+        ids for ids, _ in rows(c for c in corpus.train if is_validation(c.name))
+    ] if args.target_eval_every else []  # fmt: skip
     num_tokens = sum(map(len, sequences))
     record["corpus_tokens"] = num_tokens
     log(f"tokenizer: {tokenizer.get_vocab_size()} ids; corpus {num_tokens} tokens")
@@ -335,9 +364,60 @@ def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, r
         seed=args.seed,
         pad_id=specials["<|endoftext|>"],
         eval_every=args.target_eval_every,
+        warmup_steps=args.copy_warmup_steps,
+        probe_every=args.target_probe_every,
     )
-    record["target_training"] = train_target(model, sequences, target_settings, log, validation)
+    drill = drill_maker(tokenizer, specials)
+    # About one pass: no drill is seen twice, so none can be memorised instead of copied.
+    mean_drill_tokens = 2 * (DRILL_LENGTHS[0] + DRILL_LENGTHS[1]) / 2 + 2
+    warmup_rows = drill(
+        args.copy_warmup_steps * args.tokens_per_step // int(mean_drill_tokens) + 1, args.seed
+    ) if args.copy_warmup_steps else None  # fmt: skip
+    probe = target_probe(model, tokenizer, corpus, drill) if args.target_probe_every else None
+    record["target_training"] = train_target(
+        model, sequences, target_settings, log, validation,
+        loss_starts=loss_starts if args.target_loss == "answer" else None,
+        warmup_rows=warmup_rows, probe=probe,
+    )  # fmt: skip
+    record["target_training"]["loss"] = args.target_loss
     save_target(model, target_config, target_dir)
+
+
+DRILL_LENGTHS = (16, 128)
+
+
+def drill_maker(tokenizer, specials):
+    """count, seed → copy drills over the tokenizer's non-special ids."""
+    special = set(specials.values())
+    pool = [i for i in range(tokenizer.get_vocab_size()) if i not in special]
+
+    def make(count: int, seed: int):
+        separator, end = specials["<|im_start|>"], specials["<|im_end|>"]
+        return copy_drills(count, pool, separator, end, DRILL_LENGTHS, seed)
+
+    return make
+
+
+def target_probe(model, tokenizer, corpus, drill, count: int = 16):
+    """What the target can do mid-training: token accuracy on `count` held-out grounded
+    answers (copying), closed-book ones (the baseline: nothing to copy) and fresh drills."""
+    groups = answer_groups(corpus, count)
+    sequences, starts = drill(count, seed=10_000)
+    drills = list(zip(sequences, starts, strict=True))
+
+    def probe() -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        measures = {
+            name: round(token_accuracy(model, tokenizer, groups[name]), 4)
+            for name in ("held_out_grounded", "held_out")
+            if name in groups
+        }
+        measures["copy_drills"] = round(continuation_accuracy(model, drills), 4)
+        model.train(was_training)
+        return measures
+
+    return probe
 
 
 if __name__ == "__main__":

@@ -9,10 +9,17 @@ With validation conversations and `eval_every`, the loss on them is measured eve
 many steps and the weights of the lowest one are what training leaves: trained to the end
 of its schedule the shipped target recites its training answers (loss 0.09 after 116
 epochs) and strings pieces of them together for any question it has not seen.
+
+`loss_starts` limits a row's loss to the tokens from that index on (a conversation's
+answer: a grounded prompt quoting random text has nothing to learn before it). Warm-up rows
+(`copy_drills`) fill the first `warmup_steps` steps. A `probe` (a function returning named
+measures, e.g. held-out token accuracy) runs every `probe_every` steps and after the last,
+so a sudden change in what the model can do is visible in the log.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +47,8 @@ class TargetTraining:
     seed: int
     pad_id: int
     eval_every: int = 0  # steps between validation losses (0: none)
+    warmup_steps: int = 0  # first steps trained on the warm-up rows instead
+    probe_every: int = 0  # steps between probes (0: none)
 
 
 def length_batches(
@@ -62,8 +71,14 @@ def length_batches(
     return [batches[i] for i in shuffle]
 
 
-def padded_rows(sequences: list[list[int]], indices: list[int], settings: TargetTraining):
-    """(inputs [B, W], labels [B, W]) with labels −100 past each conversation's end."""
+def padded_rows(
+    sequences: list[list[int]],
+    indices: list[int],
+    settings: TargetTraining,
+    loss_starts: Sequence[int] | None = None,
+):
+    """(inputs [B, W], labels [B, W]) with labels −100 past each conversation's end and,
+    with loss_starts, for every token before its row's start."""
     rows = [sequences[i][: settings.max_row_tokens] for i in indices]
     width = max(map(len, rows)) - 1
     inputs = torch.full((len(rows), width), settings.pad_id, dtype=torch.long)
@@ -71,14 +86,22 @@ def padded_rows(sequences: list[list[int]], indices: list[int], settings: Target
     for r, row in enumerate(rows):
         inputs[r, : len(row) - 1] = torch.tensor(row[:-1])
         labels[r, : len(row) - 1] = torch.tensor(row[1:])
+        if loss_starts is not None:
+            labels[r, : max(loss_starts[indices[r]] - 1, 0)] = IGNORE_INDEX
     return inputs, labels
 
 
 class BatchStream:
     """Endless batches: a fresh grouping and shuffle every epoch."""
 
-    def __init__(self, sequences: list[list[int]], settings: TargetTraining) -> None:
+    def __init__(
+        self,
+        sequences: list[list[int]],
+        settings: TargetTraining,
+        loss_starts: Sequence[int] | None = None,
+    ) -> None:
         self.sequences = sequences
+        self.loss_starts = loss_starts
         self.settings = settings
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.pending: list[list[int]] = []
@@ -88,7 +111,8 @@ class BatchStream:
         if not self.pending:
             self.pending = length_batches(self.sequences, self.settings, self.generator)
             self.epochs += 1
-        return padded_rows(self.sequences, self.pending.pop(), self.settings)
+        indices = self.pending.pop()
+        return padded_rows(self.sequences, indices, self.settings, self.loss_starts)
 
 
 @torch.no_grad()
@@ -115,19 +139,33 @@ def train_target(
     settings: TargetTraining,
     log,
     validation: list[list[int]] = (),
+    loss_starts: Sequence[int] | None = None,
+    warmup_rows: tuple[list[list[int]], Sequence[int]] | None = None,
+    probe: Callable[[], dict[str, float]] | None = None,
 ) -> dict:
     """Train in place; returns a log of the run (steps, losses, epochs, seconds). With
     `validation` and `settings.eval_every`, the model is left with the weights of the step
-    whose validation loss was lowest (also measured after the last step)."""
+    whose validation loss was lowest (also measured after the last step). `warmup_rows`
+    ((sequences, loss starts)) train the first `settings.warmup_steps` steps."""
+    if settings.warmup_steps and not warmup_rows:
+        raise ValueError("warmup_steps needs warmup_rows")
     device = model.embed_tokens.weight.device
     torch.manual_seed(settings.seed)
     optimizer = make_optimizer(model.parameters(), settings.optim)
-    stream = BatchStream(sequences, settings)
+    stream = BatchStream(sequences, settings, loss_starts)
+    warmup = BatchStream(warmup_rows[0], settings, warmup_rows[1]) if warmup_rows else None
     autocast = mixed_precision(device)
     seen_tokens = [0]
     evaluating = bool(validation) and settings.eval_every > 0
     curve: list[tuple[int, float]] = []  # (steps done, validation loss)
     best: dict = {}
+    probes: list[tuple[int, dict[str, float]]] = []
+
+    def run_probe(steps_done: int) -> None:
+        measures = probe()
+        probes.append((steps_done, measures))
+        shown = ", ".join(f"{name} {value:.3f}" for name, value in measures.items())
+        log(f"  target probe after {steps_done} steps: {shown}")
 
     def evaluate(steps_done: int) -> None:
         loss = validation_loss(model, list(validation), settings)
@@ -140,7 +178,10 @@ def train_target(
     def run_step(step: int, progress: float) -> float:
         if evaluating and step and step % settings.eval_every == 0:
             evaluate(step)
-        inputs, labels = (t.to(device, non_blocking=True) for t in stream.next_batch())
+        if probe and settings.probe_every and step and step % settings.probe_every == 0:
+            run_probe(step)
+        source = warmup if step < settings.warmup_steps else stream
+        inputs, labels = (t.to(device, non_blocking=True) for t in source.next_batch())
         seen_tokens[0] += int((labels != IGNORE_INDEX).sum())
         with autocast:
             loss = lm_loss(model, inputs, labels)
@@ -157,6 +198,11 @@ def train_target(
         "seconds": round(seconds, 1),
         **loss_summary(losses),
     }
+    if settings.warmup_steps:
+        report["warmup_steps"] = min(settings.warmup_steps, num_steps)
+    if probe and settings.probe_every:
+        run_probe(num_steps)
+        report["probe_by_step"] = probes
     if evaluating:
         evaluate(num_steps)
         model.load_state_dict(best.pop("weights"))
