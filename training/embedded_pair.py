@@ -10,7 +10,10 @@ drafter's served-equivalent τ on training and held-out prompts, `validation`). 
 --num-swapped / --num-invented / --pick-by-length change the drafter's data (see
 `train_drafter.behind_other_prompts`); --target-eval-every keeps the target's weights where
 its loss on a validation split of the training conversations was lowest; --generate-only
-stops once the target's answers are written (for a later run's --generations). Before any
+stops once the target's answers are written (for a later run's --generations);
+--target-loss answer puts the target's loss on the answers only (what made it copy from
+grounded prompts), --copy-warmup-steps trains its first steps on copy drills, and
+--target-probe-every logs held-out token accuracies while it trains. Before any
 drafter work the log counts the target's exactly right answers by kind of question
 (`answers_right`, `training.answer_accuracy`).
 """
