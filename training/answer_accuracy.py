@@ -25,7 +25,7 @@ from dflash_serve.checkpoint.byte_tokenizer import special_ids_in
 from training.corpus import Conversation, Corpus, is_grounded, load_corpus, prompt_text
 from training.generate import generate_greedy, load_generating_target
 from training.target_lm import forward_rows
-from training.tokenizer import conversation_ids
+from training.tokenizer import conversation_ids_with_answer_start
 
 
 def answer_groups(corpus: Corpus, count: int) -> dict[str, list[Conversation]]:
@@ -74,8 +74,8 @@ def token_accuracy(target, tokenizer: Tokenizer, conversations: list[Conversatio
     rows = []
     for conversation in conversations:
         prompt = prompt_text(conversation.question)
-        ids = conversation_ids(tokenizer, prompt, conversation.answer)[:-1]  # the newline
-        rows.append((ids, len(tokenizer.encode(prompt).ids)))
+        ids, first = conversation_ids_with_answer_start(tokenizer, prompt, conversation.answer)
+        rows.append((ids[:-1], first))  # the newline dropped
     return continuation_accuracy(target, rows)
 
 

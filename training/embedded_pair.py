@@ -57,7 +57,11 @@ from training.generate import generate_greedy, load_generating_target
 from training.generation_cache import cached_answers
 from training.schedule import OptimSettings
 from training.target_lm import init_target
-from training.tokenizer import conversation_ids, train_tokenizer, write_tokenizer
+from training.tokenizer import (
+    conversation_ids_with_answer_start,
+    train_tokenizer,
+    write_tokenizer,
+)
 from training.train_drafter import (
     DrafterTraining,
     GeneratedSequence,
@@ -340,13 +344,11 @@ def validate_drafter(
 
 def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, record) -> None:
     def rows(conversations):
-        """(ids, loss start) per conversation: the answer's first index, or 1 (all)."""
-        result = []
-        for c in conversations:
-            prompt = prompt_text(c.question)
-            start = len(tokenizer.encode(prompt).ids) if args.target_loss == "answer" else 1
-            result.append((conversation_ids(tokenizer, prompt, c.answer), start))
-        return result
+        """(ids, index of the answer's first token) per conversation."""
+        return [
+            conversation_ids_with_answer_start(tokenizer, prompt_text(c.question), c.answer)
+            for c in conversations
+        ]
 
     training = [c for c in corpus.train if not (args.target_eval_every and is_validation(c.name))]
     sequences, loss_starts = (list(x) for x in zip(*rows(training), strict=True))
@@ -372,9 +374,9 @@ def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, r
     )
     drill = drill_maker(tokenizer, specials)
     # About one pass: no drill is seen twice, so none can be memorised instead of copied.
-    mean_drill_tokens = 2 * (DRILL_LENGTHS[0] + DRILL_LENGTHS[1]) / 2 + 2
+    mean_drill_tokens = sum(DRILL_LENGTHS) + 2  # the mean run twice, and two specials
     warmup_rows = drill(
-        args.copy_warmup_steps * args.tokens_per_step // int(mean_drill_tokens) + 1, args.seed
+        args.copy_warmup_steps * args.tokens_per_step // mean_drill_tokens + 1, args.seed
     ) if args.copy_warmup_steps else None  # fmt: skip
     probe = target_probe(model, tokenizer, corpus, drill) if args.target_probe_every else None
     record["target_training"] = train_target(
@@ -393,9 +395,9 @@ def drill_maker(tokenizer, specials):
     """count, seed → copy drills over the tokenizer's non-special ids."""
     special = set(specials.values())
     pool = [i for i in range(tokenizer.get_vocab_size()) if i not in special]
+    separator, end = specials["<|im_start|>"], specials["<|im_end|>"]
 
     def make(count: int, seed: int):
-        separator, end = specials["<|im_start|>"], specials["<|im_end|>"]
         return copy_drills(count, pool, separator, end, DRILL_LENGTHS, seed)
 
     return make

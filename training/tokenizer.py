@@ -64,4 +64,13 @@ def conversation_ids(tokenizer: Tokenizer, prompt: str, answer: str) -> list[int
     "\\n\\n" splits differently before a word), so a model trained on it never sees the
     prompt tokens it is served and starts every answer wrong.
     """
-    return tokenizer.encode(prompt).ids + tokenizer.encode(answer + "<|im_end|>\n").ids
+    return conversation_ids_with_answer_start(tokenizer, prompt, answer)[0]
+
+
+def conversation_ids_with_answer_start(
+    tokenizer: Tokenizer, prompt: str, answer: str
+) -> tuple[list[int], int]:
+    """conversation_ids and the index of the answer's first token (the prompt's length),
+    for a loss or an accuracy over the answer only."""
+    prompt_ids = tokenizer.encode(prompt).ids
+    return prompt_ids + tokenizer.encode(answer + "<|im_end|>\n").ids, len(prompt_ids)
