@@ -6,7 +6,7 @@ import json
 
 from launcher.embedded_default import EMBEDDED_DIR
 from training.corpus import Conversation, Corpus, save_corpus
-from training.embedded_pair import main
+from training.embedded_pair import main, target_conversations
 
 
 def tiny_corpus(tmp_path):
@@ -73,12 +73,26 @@ def test_a_target_run_with_answer_loss_copy_warmup_and_probes_records_them(tmp_p
         "--num-answer-checks", "0", "--num-generations", "1", "--max-new-tokens", "2",
         "--num-validation", "0", "--generate-only", "--commit", "test",
     ]  # fmt: skip
-    training = main(argv)["target_training"]
+    record = main([*argv, "--closed-book-repeats", "3"])
+    training = record["target_training"]
     assert training["num_steps"] == 4 and training["warmup_steps"] == 2
-    assert training["loss"] == "answer"
+    assert training["loss"] == "answer" and training["closed_book_repeats"] == 3
+    once = main([*argv, "--out-dir", str(tmp_path / "once")])["corpus_tokens"]
+    assert record["corpus_tokens"] == 3 * once  # two closed-book conversations, thrice
     steps = [step for step, _ in training["probe_by_step"]]
     assert steps == [2, 4]
     for _, measures in training["probe_by_step"]:
         assert set(measures) == {"held_out", "copy_drills"}  # no grounded question here
         assert all(0.0 <= value <= 1.0 for value in measures.values())
     assert (tmp_path / "pair" / "target" / "model.safetensors").is_file()
+
+
+def test_closed_book_repeats_repeat_only_closed_book_conversations():
+    closed = [Conversation(f"m.f{i}", f"What does `m.f{i}` do?", "It works.") for i in range(3)]
+    grounded = Conversation("grounded:m.f0", "### `m.f0`\nIt works.\n\nWhat?", "It works.")
+    corpus = Corpus((*closed, grounded), (), "test")
+    repeated = target_conversations(corpus, 3, hold_validation=False)
+    assert sorted(c.name for c in repeated) == sorted(
+        [*[c.name for c in closed] * 3, grounded.name]
+    )
+    assert target_conversations(corpus, 1, hold_validation=False) == [*closed, grounded]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import sys
 import textwrap
 
 import pytest
@@ -26,14 +27,19 @@ from training.corpus import (
     WORD,
     build_corpus,
     cap_text,
+    collect_documentation,
     is_held_out,
     is_validation,
     load_corpus,
+    load_documentation,
     prompt_text,
     render_chat,
     save_corpus,
+    save_documentation,
+    stdlib_dir,
     subject_of,
 )
+from training.corpus import main as corpus_main
 from training.tokenizer import train_tokenizer, write_tokenizer
 
 NON_ASCII = "naïve — 日本語 🙂 Ünïcödé\tnull\x00 end"
@@ -269,6 +275,25 @@ def test_cap_text_cuts_at_the_last_boundary_that_keeps_half():
     assert cap_text("one line\n" + "word " * 20, 40) == "one line\n" + "word " * 5 + "word"
     assert cap_text("x" * 50, 40) == "x" * 40
     assert cap_text("short", 40) == "short"
+
+
+def test_a_documentation_file_builds_the_same_corpus_elsewhere(grounded, tmp_path):
+    """What the GPU machine does: build the corpus from documentation another interpreter
+    read (--documentation), recording that interpreter's version, not its own."""
+    documentation = tmp_path / "docs.json"
+    save_documentation(collect_documentation(stdlib_dir(), MODULES), documentation, "3.99.1")
+    out = tmp_path / "corpus.json"
+    corpus_main(["--documentation", str(documentation), "--out", str(out), "--grounded", "2"])
+    built = load_corpus(out)
+    assert built.train == grounded.train and built.held_out == grounded.held_out
+    assert built.source.startswith("CPython 3.99.1 standard library docstrings")
+    assert built.source.removeprefix("CPython 3.99.1") == grounded.source.removeprefix(
+        "CPython " + ".".join(map(str, sys.version_info[:3]))
+    )
+    again = tmp_path / "again.json"
+    corpus_main(["--documentation", str(documentation), "--documentation-out", str(again),
+                 "--out", str(tmp_path / "c2.json")])  # fmt: skip
+    assert load_documentation(again)[1] == "3.99.1"
 
 
 def test_save_and_load_round_trip(corpus, tmp_path):

@@ -43,6 +43,7 @@ from training.copy_drills import copy_drills
 from training.corpus import (
     build_corpus,
     invented_question,
+    is_grounded,
     is_validation,
     load_corpus,
     prompt_text,
@@ -104,6 +105,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         help="train the target's first N steps on copy drills (training.copy_drills)",
+    )
+    parser.add_argument(
+        "--closed-book-repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="train the target on each closed-book conversation R times per pass over a "
+        "grounded corpus (whose K grounded variants per object otherwise outnumber them)",
     )
     parser.add_argument(
         "--target-probe-every",
@@ -350,7 +359,7 @@ def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, r
             for c in conversations
         ]
 
-    training = [c for c in corpus.train if not (args.target_eval_every and is_validation(c.name))]
+    training = target_conversations(corpus, args.closed_book_repeats, args.target_eval_every > 0)
     sequences, loss_starts = (list(x) for x in zip(*rows(training), strict=True))
     validation = [
         ids for ids, _ in rows(c for c in corpus.train if is_validation(c.name))
@@ -385,7 +394,17 @@ def train_target_model(args, corpus, tokenizer, specials, eos_ids, target_dir, r
         warmup_rows=warmup_rows, probe=probe,
     )  # fmt: skip
     record["target_training"]["loss"] = args.target_loss
+    record["target_training"]["closed_book_repeats"] = args.closed_book_repeats
     save_target(model, target_config, target_dir)
+
+
+def target_conversations(corpus, closed_book_repeats: int, hold_validation: bool) -> list:
+    """The target's training conversations: each closed-book one `closed_book_repeats`
+    times, each grounded one once, less the validation split if it is held back."""
+    if closed_book_repeats < 1:
+        raise SystemExit(f"--closed-book-repeats {closed_book_repeats}: 1 or more")
+    kept = [c for c in corpus.train if not (hold_validation and is_validation(c.name))]
+    return [c for c in kept for _ in range(1 if is_grounded(c) else closed_book_repeats)]
 
 
 DRILL_LENGTHS = (16, 128)
