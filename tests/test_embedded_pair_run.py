@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from launcher.embedded_default import EMBEDDED_DIR
-from training.corpus import Conversation, Corpus, save_corpus
-from training.embedded_pair import main, target_conversations
+from training.corpus import Conversation, Corpus, prompt_text, save_corpus
+from training.embedded_pair import held_out_prompt_sets, main, target_conversations
 
 
 def tiny_corpus(tmp_path):
@@ -96,3 +96,26 @@ def test_closed_book_repeats_repeat_only_closed_book_conversations():
         [*[c.name for c in closed] * 3, grounded.name]
     )
     assert target_conversations(corpus, 1, hold_validation=False) == [*closed, grounded]
+
+
+def test_held_out_prompts_are_split_into_grounded_and_closed_book_files():
+    closed = [Conversation(f"m.f{i}", f"What does `m.f{i}` do?", "It works.") for i in range(4)]
+    grounded = [
+        Conversation(f"grounded:m.g{i}", f"### `m.g{i}`\nIt runs.\n\nWhat?", "It runs.")
+        for i in range(3)
+    ]
+    mixed = Corpus((), (*closed, *grounded), "test")
+    sets = held_out_prompt_sets(mixed, seed=0)
+    assert set(sets) == {"held_out_prompts.json", "held_out_closed_book_prompts.json"}
+    assert sorted(sets["held_out_prompts.json"]) == sorted(
+        prompt_text(c.question) for c in grounded
+    )
+    assert sorted(sets["held_out_closed_book_prompts.json"]) == sorted(
+        prompt_text(c.question) for c in closed
+    )
+    assert held_out_prompt_sets(mixed, seed=0) == sets  # the seed fixes the order
+    only_closed = held_out_prompt_sets(Corpus((), tuple(closed), "test"), seed=0)
+    assert list(only_closed) == ["held_out_prompts.json"]
+    assert sorted(only_closed["held_out_prompts.json"]) == sorted(
+        prompt_text(c.question) for c in closed
+    )

@@ -2,20 +2,21 @@
 
     python -m training.embedded_pair --out-dir DIR --device cuda [--corpus corpus.json]
 
-Writes DIR/target (Hugging Face layout with tokenizer and chat template), DIR/drafter
-(z-lab DFlash layout), DIR/held_out_prompts.json (chat prompts of held-out items, for
-`bench.embedded`) and DIR/training_log.json (settings, step counts, losses, timings, and the
-drafter's served-equivalent τ on training and held-out prompts, `validation`). With
---target-steps/--drafter-steps the run repeats a logged one instead of fitting the budget.
---num-swapped / --num-invented / --pick-by-length change the drafter's data (see
-`train_drafter.behind_other_prompts`); --target-eval-every keeps the target's weights where
-its loss on a validation split of the training conversations was lowest; --generate-only
-stops once the target's answers are written (for a later run's --generations);
---target-loss answer puts the target's loss on the answers only (what made it copy from
-grounded prompts), --copy-warmup-steps trains its first steps on copy drills, and
---target-probe-every logs held-out token accuracies while it trains. Before any
-drafter work the log counts the target's exactly right answers by kind of question
-(`answers_right`, `training.answer_accuracy`).
+Writes DIR/target (Hugging Face layout with tokenizer and chat template), DIR/drafter (z-lab
+DFlash layout), DIR/held_out_prompts.json (chat prompts of held-out items, for
+`bench.embedded`; with a grounded corpus the grounded ones, and the closed-book ones in
+DIR/held_out_closed_book_prompts.json) and DIR/training_log.json (settings, step counts,
+losses, timings, and the drafter's served-equivalent τ on training and held-out prompts,
+`validation`). With --target-steps/--drafter-steps the run repeats a logged one instead of
+fitting the budget. --num-swapped / --num-invented / --pick-by-length change the drafter's
+data (see `train_drafter.behind_other_prompts`); --target-eval-every keeps the target's
+weights where its loss on a validation split of the training conversations was lowest;
+--generate-only stops once the target's answers are written (for a later run's
+--generations); --target-loss answer puts the target's loss on the answers only (what made
+it copy from grounded prompts), --copy-warmup-steps trains its first steps on copy drills,
+and --target-probe-every logs held-out token accuracies while it trains. Before any drafter
+work the log counts the target's exactly right answers by kind of question (`answers_right`,
+`training.answer_accuracy`).
 """
 
 from __future__ import annotations
@@ -314,17 +315,33 @@ def main(argv: list[str] | None = None) -> dict:
     )
     save_drafter(drafter, drafter_config, drafter_dir)
 
-    held_out = [prompt_text(c.question) for c in corpus.held_out]
-    random.Random(args.seed).shuffle(held_out)  # mixed modules in any first-N subset
+    held_out_sets = held_out_prompt_sets(corpus, args.seed)
+    held_out = held_out_sets["held_out_prompts.json"]
     if args.num_validation:
         record["validation"] = validate_drafter(
             drafter, target, generated, held_out, tokenizer, eos_ids, args.num_validation
         )
         log(f"served-equivalent tau: {record['validation']}")
-    (args.out_dir / "held_out_prompts.json").write_text(json.dumps(held_out, indent=1))
+    for file_name, prompts in held_out_sets.items():
+        (args.out_dir / file_name).write_text(json.dumps(prompts, indent=1))
     (args.out_dir / "training_log.json").write_text(json.dumps(record, indent=2))
     log(f"wrote {target_dir}, {drafter_dir}; log {args.out_dir / 'training_log.json'}")
     return record
+
+
+def held_out_prompt_sets(corpus, seed: int) -> dict[str, list[str]]:
+    """File name → held-out chat prompts, shuffled so any first N mix modules. With grounded
+    conversations in the corpus, held_out_prompts.json holds those (the questions the pair
+    answers from quoted documentation: what `bench.embedded` measures by default) and
+    held_out_closed_book_prompts.json the others; without, the first holds them all."""
+    pairs = [(prompt_text(c.question), is_grounded(c)) for c in corpus.held_out]
+    random.Random(seed).shuffle(pairs)
+    if not any(grounded for _, grounded in pairs):
+        return {"held_out_prompts.json": [prompt for prompt, _ in pairs]}
+    return {
+        "held_out_prompts.json": [prompt for prompt, grounded in pairs if grounded],
+        "held_out_closed_book_prompts.json": [prompt for prompt, grounded in pairs if not grounded],
+    }
 
 
 def validate_drafter(
