@@ -3,10 +3,10 @@
 A small Qwen3.5-architecture target (6 layers: GDN + gated attention, 9 M parameters) and a
 DFlash drafter (6 layers) trained against it, shipped with the package in
 `launcher/embedded_pair/` (Hugging Face layout with a BPE tokenizer and chat template;
-about 32 MB in bf16). They were trained on CPython's standard-library docstrings by
-`python -m training.embedded_pair` (see README: "The embedded demo pair"), so they answer
-questions like "What does `textwrap.dedent` do?" with docstring text, offline, on any
-machine.
+about 32 MB in bf16). They were trained on CPython's standard-library documentation by
+`python -m training.embedded_pair` (see README: "The embedded demo pair"), so they answer a
+question about documentation quoted in the prompt (a "### `name`" heading, the text, then
+the question) with the quoted text, offline, on any machine.
 """
 
 from __future__ import annotations

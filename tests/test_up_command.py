@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import inspect
 import json
-import textwrap
 
 from launcher.service_processes import GATEWAY_LISTENING, http, start_service, wait_healthy
+
+# Documentation the pair never saw (no such module exists): a right answer must be read from
+# the prompt, not recalled.
+INVENTED_NAME = "greenhouse.Sprinkler.water"
+INVENTED_DOCUMENTATION = (
+    "Water every plant in the greenhouse once, starting from the north door.\n\n"
+    "Returns the number of litres used."
+)
 
 
 def test_up_serves_the_trained_embedded_pair():
@@ -14,8 +20,11 @@ def test_up_serves_the_trained_embedded_pair():
         ["up", "--device", "cpu"], 120, wait_ready=wait_healthy, listening=GATEWAY_LISTENING
     )
     try:
-        # A question from the pair's training data: its answer is CPython's own docstring.
-        question = "How do I use `textwrap.dedent`?"
+        # The pair's domain: a question about documentation quoted in the prompt.
+        question = (
+            f"### `{INVENTED_NAME}`\n{INVENTED_DOCUMENTATION}\n\n"
+            f"What does the documentation above say about `{INVENTED_NAME}`?"
+        )
         body = {
             "messages": [{"role": "user", "content": question}],
             "max_tokens": 24,
@@ -24,8 +33,8 @@ def test_up_serves_the_trained_embedded_pair():
         response = http("POST", up.base_url + "/v1/chat/completions", json.dumps(body).encode())
         assert response.status == 200, response.text
         answer = response.json()["choices"][0]["message"]["content"]
-        first_line = inspect.getdoc(textwrap.dedent).splitlines()[0]
-        assert answer.startswith(first_line[:40]), answer
+        assert len(answer) >= 40, answer
+        assert INVENTED_DOCUMENTATION.startswith(answer), answer
         models = http("GET", up.base_url + "/v1/models").json()
         assert models["data"][0]["id"] == "dflash"
     finally:
