@@ -7,15 +7,16 @@ DFlash layout), DIR/held_out_prompts.json (chat prompts of held-out items, for
 `bench.embedded`; with a grounded corpus the grounded ones, and the closed-book ones in
 DIR/held_out_closed_book_prompts.json) and DIR/training_log.json (settings, step counts,
 losses, timings, and the drafter's served-equivalent τ on training and held-out prompts,
-`validation`). With --target-steps/--drafter-steps the run repeats a logged one instead of
-fitting the budget. --num-swapped / --num-invented / --pick-by-length change the drafter's
-data (see `train_drafter.behind_other_prompts`); --target-eval-every keeps the target's
-weights where its loss on a validation split of the training conversations was lowest;
---generate-only stops once the target's answers are written (for a later run's
---generations); --target-loss answer puts the target's loss on the answers only (what made
-it copy from grounded prompts), --copy-warmup-steps trains its first steps on copy drills,
-and --target-probe-every logs held-out token accuracies while it trains. Before any drafter
-work the log counts the target's exactly right answers by kind of question (`answers_right`,
+`validation`, whose held-out prompts are those of held_out_prompts.json). With
+--target-steps/--drafter-steps the run repeats a logged one instead of fitting the budget.
+--num-swapped / --num-invented / --pick-by-length change the drafter's data (see
+`train_drafter.behind_other_prompts`); --target-eval-every keeps the target's weights where
+its loss on a validation split of the training conversations was lowest; --generate-only
+stops once the target's answers are written (for a later run's --generations); --target-loss
+answer puts the target's loss on the answers only (what made it copy from grounded prompts),
+--copy-warmup-steps trains its first steps on copy drills, and --target-probe-every logs
+held-out token accuracies while it trains. Before any drafter work the log counts the
+target's exactly right answers by kind of question (`answers_right`,
 `training.answer_accuracy`).
 """
 
