@@ -188,7 +188,7 @@ def test_graph_replay_equals_eager_kernel_path(drafter_dir, target_dir):
     # differs: the block's mask positions attend to each other).
     full = eager.draft(slots[eager], list(ANCHORS), 15)
     assert graphed.draft(slots[graphed], list(ANCHORS), 4) == [ids[:4] for ids in full]
-    # A batch size that was not captured (2) runs the same kernels eagerly, on a 4-draft block.
+    # A batch size that was not captured (2) runs the same kernels eagerly, on a full block.
     pair = list(ANCHORS[:2])
     assert eager.draft(slots[eager][:2], pair, 4) == graphed.draft(slots[graphed][:2], pair, 4)
 
