@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from dflash_serve.layers.attention import attend_causal, attend_each_query, attend_masked
+from dflash_serve.layers.attention import (
+    attend_all,
+    attend_causal,
+    attend_each_query,
+    attend_masked,
+)
 
 
 def naive(q, keys, values, visible_counts, scale):
@@ -54,6 +59,17 @@ def test_attend_each_query_sees_exactly_its_range():
     q, keys, values = random_qkv(1, 3, 8, seed=2)
     out = attend_each_query(q[0], keys[0], values[0], [(0, 6), (0, 7), (0, 8)], 0.25)
     expected = naive(q[0], keys[0], values[0], [6, 7, 8], 0.25)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("num_new", "num_keys", "heads", "kv_heads"), [(16, 40, 8, 2), (3, 3, 4, 4)]
+)
+def test_attend_all_is_every_query_over_every_key(num_new, num_keys, heads, kv_heads):
+    q, keys, values = random_qkv(1, num_new, num_keys, heads, kv_heads, seed=3)
+    out = attend_all(q[0], keys[0], values[0], 0.3)
+    assert out.shape == q[0].shape
+    expected = naive(q[0], keys[0], values[0], [num_keys] * num_new, 0.3)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 

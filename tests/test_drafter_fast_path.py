@@ -157,8 +157,8 @@ def test_scratch_block_keys_never_leak(drafter_dir, target_dir):
     after = {engine: draft_logits(engine, slots[engine], 4) for engine in (kernel, plain, fresh)}
     assert torch.equal(after[kernel], after[fresh])
     assert_paths_agree(after[kernel], after[plain], dtype)
-    drafts = kernel.draft(slots[kernel], list(ANCHORS), 4)
-    assert drafts == after[kernel].argmax(-1).tolist()
+    drafts = kernel.draft(slots[kernel], list(ANCHORS), 4)  # the first 4 of a full block
+    assert drafts == draft_logits(kernel, slots[kernel], 15)[:, :4].argmax(-1).tolist()
 
 
 def test_graphs_need_the_kernel_path(drafter_dir, target_dir):

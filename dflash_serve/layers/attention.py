@@ -4,7 +4,8 @@ Two paths share one contract (softmax(q·kᵀ·scale)·v per query over the keys
 - `attend_each_query` computes every query over exactly its own visible key range, so a
   token's result is identical whether it arrives alone or in a 16-token block (the property
   lossless speculative decoding needs on the verify/decode path);
-- `attend_masked` computes many queries at once with a boolean mask (drafting), and
+- `attend_masked` computes many queries at once with a boolean mask (drafting),
+  `attend_all` the case where every key is visible (a non-causal draft block), and
   `attend_causal` the causal case of a prompt chunk without a mask (prefill), where only
   closeness, not bit-equality with another shape, matters.
 """
@@ -70,6 +71,23 @@ def attend_masked(
         q.transpose(-3, -2), k, v, attn_mask=visible.unsqueeze(-3), scale=scale
     )
     return out.transpose(-3, -2)
+
+
+def attend_all(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`attend_masked` with every key visible, for one sequence: q [T, H, D]; keys/values
+    [L, Hkv, D] → [T, H, D] in q's dtype, softmax in fp32. The query heads of a kv head go
+    through one matmul together, so keys and values are never repeated per query head (on
+    the CPU half the time of SDPA with repeated keys: a draft's non-causal layers)."""
+    num_tokens, num_heads, dim = q.shape
+    num_kv_heads = keys.shape[1]
+    grouped = _grouped(q, num_kv_heads).permute(1, 0, 2, 3).reshape(num_kv_heads, -1, dim)
+    scores = torch.bmm(grouped, keys.permute(1, 2, 0)) * scale  # [Hkv, T·G, L]
+    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    out = torch.bmm(probs, values.transpose(0, 1))  # [Hkv, T·G, D]
+    out = out.reshape(num_kv_heads, num_tokens, num_heads // num_kv_heads, dim)
+    return out.permute(1, 0, 2, 3).reshape(num_tokens, num_heads, dim).to(q.dtype)
 
 
 def attend_causal(

@@ -30,14 +30,17 @@ class SwiGLU(nn.Module):
         self.gate_up = RowKernelGroup([self.gate_proj, self.up_proj])
         self.silu_mul = silu_mul
 
-    def stack_gate_up(self) -> None:
-        """For every row count: gate_proj and up_proj as one (cuBLAS) matmul over their stacked
-        weights, and silu·up as one kernel. For the drafter, whose drafts need not be row-
-        independent; the dense linears become views of the stacked weight (no second copy)."""
-        from dflash_serve.kernels.silu_mul import silu_mul
+    def stack_gate_up(self, with_kernel: bool = True) -> None:
+        """For every row count: gate_proj and up_proj as one matmul over their stacked weights
+        (idempotent), and with_kernel silu·up as one Triton kernel (imported here: a GPU
+        dependency). For the drafter, whose drafts need not be row-independent; the dense
+        linears become views of the stacked weight (no second copy)."""
+        if self.gate_up_weight is None:
+            self.gate_up_weight = stack_dense_weights([self.gate_proj, self.up_proj])
+        if with_kernel:
+            from dflash_serve.kernels.silu_mul import silu_mul
 
-        self.gate_up_weight = stack_dense_weights([self.gate_proj, self.up_proj])
-        self.silu_mul = silu_mul
+            self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.accepts(x):
@@ -45,6 +48,8 @@ class SwiGLU(nn.Module):
             return self.down_proj(self.silu_mul(gate, up))
         if self.gate_up_weight is not None:
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            if self.silu_mul is None:
+                return self.down_proj(silu(gate) * up)
             return self.down_proj(self.silu_mul(gate, up))
         if self.silu_mul is not None:  # rows beyond the row kernels' (the target's prefill)
             return self.down_proj(self.silu_mul(self.gate_proj(x), self.up_proj(x)))

@@ -1,10 +1,10 @@
 """Per-slot keys/values of the drafter's context: the committed tokens' target features.
 
 Positions 0 .. length − 1 of a slot hold its committed context; nothing else is ever read as
-context. The plain-torch path never stores a draft's own block keys/values; the GPU kernel
-path writes them as scratch at positions length .. length + T − 1, where the kernel reads
-them by position and the next `add_context` overwrites them. The room for one block past
-`max_len` lets that scratch write stay in bounds for any committed length.
+context. A draft writes its own block's keys/values as scratch at positions length .. length
++ T − 1, where its attention reads them (the GPU kernel by position, the plain path as one
+view with the context) and the next `add_context` overwrites them. The room for one block
+past `max_len` lets that scratch write stay in bounds for any committed length.
 """
 
 from __future__ import annotations

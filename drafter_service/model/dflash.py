@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_serve.layers.attention import attend_masked
+from dflash_serve.layers.attention import attend_all, attend_masked
 from dflash_serve.layers.linear import Linear, row_stable_linear, stack_dense_weights
 from dflash_serve.layers.mlp import SwiGLU
 from dflash_serve.layers.norms import RMSNorm
@@ -47,12 +47,27 @@ class DrafterAttention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None  # set by stack_projections
 
     def stack_projections(self) -> None:
-        """The kernel path's projections: q, k and v as one (cuBLAS) matmul over their stacked
-        weights (k and v alone: a view of its tail), feeding `attention_inputs_into_cache`.
-        The linears become views of the stacked weight (no second copy)."""
-        if not self.q_norm.shares_settings(self.k_norm):
-            raise ValueError("the fused q/k kernel needs one eps and one kind for both norms")
-        self.qkv_weight = stack_dense_weights([self.q_proj, self.k_proj, self.v_proj])
+        """q, k and v as one matmul over their stacked weights (k and v alone: a view of its
+        tail), on both paths (`projections`, and `into_cache` feeding the kernel path's
+        `attention_inputs_into_cache`). The linears become views of the stacked weight (no
+        second copy). Idempotent."""
+        if self.qkv_weight is None:
+            self.qkv_weight = stack_dense_weights([self.q_proj, self.k_proj, self.v_proj])
+
+    def projections(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, ...]:
+        """x [..., T, hidden] → (rotated queries [..., T, heads, head_dim], rotated keys and
+        values [..., T, kv_heads, head_dim]): one matmul after `stack_projections`."""
+        if self.qkv_weight is None:
+            return self.queries(x, cos_sin), *self.keys_values(x, cos_sin)
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self.qkv_weight).split([q_width, kv_width, kv_width], dim=-1)
+        kv_shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        q = q.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        return (
+            self.q_norm.norm_and_rotate(q, cos_sin),
+            self.k_norm.norm_and_rotate(k.reshape(kv_shape), cos_sin),
+            v.reshape(kv_shape),
+        )
 
     def into_cache(
         self,
@@ -87,10 +102,16 @@ class DrafterAttention(nn.Module):
         )
 
     def keys_values(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., T, hidden] → rotated keys and values [..., T, kv_heads, head_dim]."""
+        """x [..., T, hidden] → rotated keys and values [..., T, kv_heads, head_dim] (one
+        matmul after `stack_projections`)."""
         shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
-        keys = self.k_norm.norm_and_rotate(self.k_proj(x).reshape(shape), cos_sin)
-        return keys, self.v_proj(x).reshape(shape)
+        if self.qkv_weight is None:
+            keys, values = self.k_proj(x), self.v_proj(x)
+        else:
+            tail = self.qkv_weight[self.num_heads * self.head_dim :]
+            keys, values = F.linear(x, tail).chunk(2, dim=-1)
+        keys = self.k_norm.norm_and_rotate(keys.reshape(shape), cos_sin)
+        return keys, values.reshape(shape)
 
     def queries(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
         shape = (*x.shape[:-1], self.num_heads, self.head_dim)
@@ -123,18 +144,31 @@ class DFlashDrafter(nn.Module):
         self.head_weight: torch.Tensor | None = None
         self.attention_kernel = None  # set by use_gpu_kernels
 
+    def stack_weights(self) -> None:
+        """Every layer's q, k and v as one matmul and its MLP's gate and up as another, on any
+        device: drafts need not be row-independent (the target decides every token), and a
+        CPU draft step is mostly per-op cost. The loader calls this."""
+        for module in self.modules():
+            if isinstance(module, DrafterAttention):
+                module.stack_projections()
+            elif isinstance(module, SwiGLU):
+                module.stack_gate_up(with_kernel=False)
+
     def use_gpu_kernels(self) -> None:
         """Triton kernels (imported here: a GPU dependency): the block attention over the cache;
-        the norms, each fused with the residual add before it; q, k and v as one matmul whose
-        heads one kernel normalises, rotates and writes into the cache; the MLP's gate and up
-        as one matmul and silu·up as one kernel. Without them a draft step was ~640 launches,
-        half its time elementwise work. Matmuls stay on cuBLAS: drafts need not be
-        row-independent (the target decides every token)."""
+        the norms, each fused with the residual add before it; the stacked q, k and v matmul's
+        heads normalised, rotated and written into the cache by one kernel; silu·up as one
+        kernel after the stacked gate and up matmul. Without them a draft step was ~640
+        launches, half its time elementwise work. Matmuls stay on cuBLAS."""
         from dflash_serve.kernels.block_attention import block_attention
 
         self.attention_kernel = block_attention
         for module in self.modules():
             if isinstance(module, DrafterAttention):
+                if not module.q_norm.shares_settings(module.k_norm):
+                    raise ValueError(
+                        "the fused q/k kernel needs one eps and one kind for both norms"
+                    )
                 module.stack_projections()
             elif isinstance(module, RMSNorm):
                 module.use_row_kernel()
@@ -194,8 +228,10 @@ class DFlashDrafter(nn.Module):
         if self.uses_gpu_kernels:
             ids = torch.tensor((slots, starts), dtype=torch.int64, device=device)
             return self.draft_logits_on_device(cache, ids[0], ids[1], block_ids)
-        positions = block_positions(torch.tensor(starts, device=device), block_ids.shape[1])
-        attend = partial(self._attend, cache=cache, slots=slots)
+        num_tokens = block_ids.shape[1]
+        positions = block_positions(torch.tensor(starts, device=device), num_tokens)
+        masks = self._block_masks(starts, num_tokens, device)
+        attend = partial(self._attend, cache=cache, slots=slots, masks=masks)
         return self._forward_block(block_ids, positions, attend)
 
     def draft_logits_on_device(
@@ -254,17 +290,41 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / softcap) * softcap
         return logits
 
-    def _attend(self, layer_id, layer, x, cos_sin, cache, slots) -> torch.Tensor:
+    def _block_masks(self, starts: list[int], num_tokens: int, device) -> list[list]:
+        """Per layer, per sequence: `visibility` of the block's queries, or None where every
+        key is visible (a non-causal layer without a window: DFlash's own); built once per
+        draft for each distinct layer rule."""
+        by_rule: dict[tuple, list] = {}
+        masks = []
+        for layer_id in range(len(self.layers)):
+            rule = (self.config.layer_is_causal(layer_id), self.config.layer_window(layer_id))
+            if rule not in by_rule:
+                by_rule[rule] = [
+                    None
+                    if rule == (False, None)
+                    else self.visibility(layer_id, start, num_tokens, device)
+                    for start in starts
+                ]
+            masks.append(by_rule[rule])
+        return masks
+
+    def _attend(self, layer_id, layer, x, cos_sin, cache, slots, masks) -> torch.Tensor:
+        """The plain path: the block's keys/values go into the cache as scratch after the
+        context (as on the kernel path), so each sequence attends over one view of it."""
         attn = layer.self_attn
-        queries = attn.queries(x, cos_sin)
-        block_keys, block_values = attn.keys_values(x, cos_sin)
+        queries, block_keys, block_values = attn.projections(x, cos_sin)
         outputs = []
         for b, slot in enumerate(slots):
             start = cache.lengths[slot]
-            keys = torch.cat((cache.keys[layer_id, slot, :start], block_keys[b]))
-            values = torch.cat((cache.values[layer_id, slot, :start], block_values[b]))
-            visible = self.visibility(layer_id, start, x.shape[1], x.device)
-            outputs.append(attend_masked(queries[b], keys, values, visible, attn.head_dim**-0.5))
+            end = start + x.shape[1]
+            keys, values = cache.keys[layer_id, slot], cache.values[layer_id, slot]
+            keys[start:end] = block_keys[b]
+            values[start:end] = block_values[b]
+            visible, scale = masks[layer_id][b], attn.head_dim**-0.5
+            if visible is None:
+                outputs.append(attend_all(queries[b], keys[:end], values[:end], scale))
+            else:
+                outputs.append(attend_masked(queries[b], keys[:end], values[:end], visible, scale))
         out = torch.stack(outputs).reshape(*x.shape[:2], -1)
         return attn.o_proj(out)
 

@@ -41,6 +41,7 @@ def load_drafter(
     model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
     model.embed_weight = target.embed_weight
     model.head_weight = target.head_weight
+    model.stack_weights()
     logger.info(
         "loaded drafter %s: %d layers, taps %s",
         drafter_dir,
