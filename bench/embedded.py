@@ -89,7 +89,12 @@ class PairInProcess:
         self.step_costs = StepCosts()  # shared by every request, as in one gateway
         settings = ServiceSettings(device=device, max_context_tokens=max_context_tokens)
         taps = load_dflash_config(drafter_dir).target_layer_ids
-        self.dtype = settings.resolved_dtype
+        target_dtype, drafter_dtype = settings.resolved_dtype, settings.drafter_dtype
+        self.dtype = (
+            target_dtype
+            if target_dtype == drafter_dtype
+            else f"target {target_dtype}, drafter {drafter_dtype}"
+        )
         self.target = TargetRuntime(
             TargetServiceConfig(str(target_dir), tuple(taps), service=settings)
         )

@@ -22,7 +22,7 @@ class ServiceSettings:
     host: str = "127.0.0.1"
     port: int = 0
     device: str = "cpu"
-    dtype: str = "auto"  # bfloat16 on a GPU, float32 on the CPU
+    dtype: str = "auto"  # bfloat16 on a GPU, float32 on the CPU (see drafter_dtype)
     max_sessions: int = 16
     max_context_tokens: int = 4096
     max_batch_size: int = 16
@@ -91,6 +91,16 @@ class ServiceSettings:
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
 
+    @property
+    def drafter_dtype(self) -> str:
+        """The drafter's dtype: `resolved_dtype`, except that "auto" on a CPU that multiplies
+        bf16 natively (AVX512-BF16, AMX) is bfloat16: the drafter's proposals need not be
+        exact (the target decides every token), DFlash checkpoints are bf16, and there its
+        matmuls take half the time (the embedded drafter's step: ~25 % less)."""
+        if self.dtype == "auto" and self.device == "cpu" and cpu_multiplies_bf16_natively():
+            return "bfloat16"
+        return self.resolved_dtype
+
     def validate(self, service: str) -> None:
         checks = {
             "port": 0 <= self.port <= 65535,
@@ -111,3 +121,13 @@ class ServiceSettings:
         bad = {name: getattr(self, name) for name, ok in checks.items() if not ok}
         if bad:
             raise ConfigError(f"{service} service: invalid settings {bad}")
+
+
+def cpu_multiplies_bf16_natively() -> bool:
+    """Whether oneDNN runs bf16 matmuls on this CPU's own bf16 instructions."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN, or without the check
+        return False

@@ -24,7 +24,7 @@ class DrafterRuntime:
         model = load_drafter(
             config.model,
             config.target_model,
-            getattr(torch, service.resolved_dtype),
+            getattr(torch, service.drafter_dtype),
             service.device,
             show_progress=True,
         )

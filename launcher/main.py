@@ -28,7 +28,10 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bf16 on GPU, fp32 on CPU"
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto: bf16 on GPU; on CPU fp32, but bf16 for the drafter on a CPU with native bf16",
     )
     parser.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions (slots)")
     parser.add_argument("--max-context-tokens", type=int, default=4096, help="tokens per session")
