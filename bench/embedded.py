@@ -206,13 +206,15 @@ async def measure(
     (speed under keys ending in `_<device_key>`)."""
     greedy = SamplingParams()
     sampled = SamplingParams(temperature=SAMPLED_TEMPERATURE, seed=SAMPLED_SEED)
-    # Warm-up, untimed: every block length, and the longest prompt's prefill (on the GPU a
-    # long prompt's first prefill compiled kernels inside the first run's timed target-only
-    # decode: 0.48 s instead of 0.08 for a 569-token prompt, 984 instead of ~1,400 tok/s).
-    longest = max(prompts_ids, key=len)
-    for warm_up_ids in (prompts_ids[0], longest):
-        for is_speculative in (False, True):
-            await pair.decode(warm_up_ids, max_new, greedy, is_speculative)
+    # Warm-up, untimed: every block length (one request both ways), then every prompt's
+    # prefill (a one-token request each). On a fresh GPU machine prefills of some lengths
+    # compiled kernels inside the timed target-only decodes (0.35-0.48 s instead of 0.08 for
+    # a 569-token prompt; 984-1,071 tok/s target-only instead of 1,400-1,700 in later runs);
+    # warming up on the longest prompt alone did not cover them.
+    for is_speculative in (False, True):
+        await pair.decode(prompts_ids[0], max_new, greedy, is_speculative)
+    for prompt_ids in prompts_ids:
+        await pair.decode(prompt_ids, 1, greedy, False)
     plain_s = spec_s = 0.0
     num_plain = num_spec = 0
     greedy_stats, sampled_stats, differences = [], [], {}
