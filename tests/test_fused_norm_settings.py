@@ -19,10 +19,13 @@ def test_norms_share_settings_only_with_equal_eps_and_kind():
 
 def test_drafter_attention_refuses_to_fuse_norms_that_differ():
     attention = DrafterAttention(DFlashConfig.from_dict(dflash_config_dict()))
-    attention.stack_projections()  # the checkpoint's norms share their settings
+    attention.stack_for_fused_inputs()  # the checkpoint's norms share their settings
     assert attention.qkv_weight is not None
     mismatched = DrafterAttention(DFlashConfig.from_dict(dflash_config_dict()))
     mismatched.k_norm.eps *= 10
     with pytest.raises(ValueError, match="one eps and one kind"):
-        mismatched.stack_projections()
+        mismatched.stack_for_fused_inputs()
     assert mismatched.qkv_weight is None
+    # The plain path applies each norm on its own: its stacked matmul takes any norms.
+    mismatched.stack_projections()
+    assert mismatched.qkv_weight is not None

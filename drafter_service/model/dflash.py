@@ -54,6 +54,13 @@ class DrafterAttention(nn.Module):
         if self.qkv_weight is None:
             self.qkv_weight = stack_dense_weights([self.q_proj, self.k_proj, self.v_proj])
 
+    def stack_for_fused_inputs(self) -> None:
+        """`stack_projections` for the kernel path, whose fused q/k kernel applies one eps and
+        one kind of norm to both heads: refused (ValueError) when the two norms differ."""
+        if not self.q_norm.shares_settings(self.k_norm):
+            raise ValueError("the fused q/k kernel needs one eps and one kind for both norms")
+        self.stack_projections()
+
     def projections(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, ...]:
         """x [..., T, hidden] → (rotated queries [..., T, heads, head_dim], rotated keys and
         values [..., T, kv_heads, head_dim]): one matmul after `stack_projections`."""
@@ -165,11 +172,7 @@ class DFlashDrafter(nn.Module):
         self.attention_kernel = block_attention
         for module in self.modules():
             if isinstance(module, DrafterAttention):
-                if not module.q_norm.shares_settings(module.k_norm):
-                    raise ValueError(
-                        "the fused q/k kernel needs one eps and one kind for both norms"
-                    )
-                module.stack_projections()
+                module.stack_for_fused_inputs()
             elif isinstance(module, RMSNorm):
                 module.use_row_kernel()
             elif isinstance(module, SwiGLU):
