@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 HOPPER = GPUTarget("cuda", 90, 32)
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
 POINTER_TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",

@@ -6,6 +6,7 @@ also run the kernels on CPU through Triton's interpreter (`TRITON_INTERPRET=1`).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -31,6 +32,21 @@ def is_interpreting() -> bool:
     kernels keep the native bf16 tensor-core dot.
     """
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def programmatic_launch() -> bool:
+    """Whether kernels are launched with programmatic dependent launch (PDL, Hopper and newer).
+
+    A verify step is ~500 short kernels; with PDL the next kernel's programs are scheduled
+    while the current one drains, instead of after it, and each waits in `wait_for_inputs`
+    before touching memory. The arithmetic is unchanged, so outputs are bit-identical either
+    way. DFLASH_PDL=0 turns it off (to measure what it saves); the interpreter ignores it."""
+    if os.environ.get("DFLASH_PDL", "1") == "0":
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 @contextmanager

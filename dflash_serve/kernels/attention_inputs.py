@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting
+from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels.jit_math import wait_for_inputs
 from dflash_serve.kernels.norm_rotary import norm_rotary_reference, store_rotated
 from dflash_serve.kernels.rms_norm import _num_warps, _scaled_norm
 
@@ -46,6 +47,7 @@ def _attention_inputs_kernel(
 ):  # fmt: skip
     """Program (row, head) over heads [queries | keys | values] of one projected row; query
     head h starts at h·Q_STRIDE, key/value head j at NUM_Q_HEADS·Q_STRIDE + j·D."""
+    wait_for_inputs()
     program = tl.program_id(0).to(tl.int64)
     row = program // (NUM_Q_HEADS + 2 * NUM_KV_HEADS)
     head = program % (NUM_Q_HEADS + 2 * NUM_KV_HEADS)
@@ -140,7 +142,7 @@ def attention_inputs_into_cache(
         NUM_Q_HEADS=num_q_heads, Q_STRIDE=query_stride, NUM_KV_HEADS=num_kv_heads, D=dim,
         BLOCK=block,
         HALF=rotary_dim // 2, ZERO_CENTRED=zero_centred, INTERPRETED=is_interpreting(),
-        num_warps=_num_warps(block), enable_fp_fusion=FP_FUSION,
+        num_warps=_num_warps(block), enable_fp_fusion=FP_FUSION, launch_pdl=programmatic_launch(),
     )  # fmt: skip
     return queries
 

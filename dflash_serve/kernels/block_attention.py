@@ -52,7 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting
+from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels.jit_math import wait_for_inputs
 from dflash_serve.layers.attention import attend_each_query
 
 # A full speculative block (anchor + 15 drafts) is one tile when the group allows it.
@@ -189,6 +190,7 @@ def _split_attention_kernel(
     WINDOW: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
+    wait_for_inputs()
     seq = tl.program_id(1) // num_kv_heads
     kv_head = tl.program_id(1) % num_kv_heads
     first_token = tl.program_id(2) * TILE_TOKENS
@@ -304,6 +306,7 @@ def _combine_splits_kernel(
     HAS_WINDOW: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
+    wait_for_inputs()
     kv_head = tl.program_id(0)
     token = tl.program_id(1)
     seq = tl.program_id(2)
@@ -431,6 +434,7 @@ def block_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         enable_fp_fusion=FP_FUSION,
+        launch_pdl=programmatic_launch(),
         **rule,
     )
     _combine_splits_kernel[(num_kv_heads, num_tokens, num_seqs)](
@@ -448,6 +452,7 @@ def block_attention(
         SPLIT_KEYS=config.split_keys,
         num_warps=COMBINE_NUM_WARPS,
         enable_fp_fusion=FP_FUSION,
+        launch_pdl=programmatic_launch(),
         **rule,
     )
     return out

@@ -1,6 +1,6 @@
-"""Triton device functions several kernels share: an exp that matches torch's, fp32
-rounding to a narrower dtype that Triton's interpreter gets right, and the matmuls' dot and
-tile store.
+"""Triton device functions several kernels share: the wait every kernel starts with, an exp
+that matches torch's, fp32 rounding to a narrower dtype that Triton's interpreter gets right,
+and the matmuls' dot and tile store.
 
 On the GPU `exact_exp` is libdevice's `expf` (what torch's CUDA kernels call; `tl.exp` is
 approximate there) and `round_to` is the plain round-to-nearest-even cast. Triton's CPU
@@ -13,6 +13,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from dflash_serve.kernels import is_interpreting
+
+# Decided at import, as `triton.jit` decides at decoration whether kernels are interpreted.
+_INTERPRETED = tl.constexpr(is_interpreting())
+
+
+@triton.jit
+def wait_for_inputs():
+    """Every kernel's first statement. Under programmatic dependent launch
+    (`kernels.programmatic_launch`) a kernel's programs may start while the kernel before it
+    still runs: wait here until it has finished and its writes are visible, before any load
+    or store, then let the kernel after this one be scheduled. Without it, and under the
+    interpreter, this costs nothing and changes nothing."""
+    if not _INTERPRETED:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting
-from dflash_serve.kernels.jit_math import round_to
+from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels.jit_math import round_to, wait_for_inputs
 from dflash_serve.kernels.rms_norm import _check_input, _normed_row, _num_warps, _rows
 from dflash_serve.layers import norm_math
 from dflash_serve.layers.rotary import apply_rotary
@@ -40,6 +40,7 @@ def _norm_rotary_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ZERO_CENTRED: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     token, _head, cols, mask, y = _normed_row(
         x_ptr, w_ptr, row, x_stride_token, x_stride_head, num_heads, eps,
@@ -122,7 +123,7 @@ def norm_rotary(
         tokens.stride(0), tokens.stride(1), rotary_dim, num_heads, eps,
         D=dim, BLOCK=block, HALF=rotary_dim // 2, ZERO_CENTRED=zero_centred,
         INTERPRETED=is_interpreting(), num_warps=_num_warps(block),
-        enable_fp_fusion=FP_FUSION,
+        enable_fp_fusion=FP_FUSION, launch_pdl=programmatic_launch(),
     )  # fmt: skip
     return out
 

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting
-from dflash_serve.kernels.jit_math import exact_exp, round_to, summed_splits
+from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels.jit_math import exact_exp, round_to, summed_splits, wait_for_inputs
 from dflash_serve.layers import norm_math
 from dflash_serve.layers.split_sums import SplitSums, materialized
 
@@ -54,6 +54,7 @@ def _rms_norm_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, ZERO_CENTRED: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     row_a, row_b, cols, mask, y = _normed_row(
         x_ptr, w_ptr, row, x_stride_a, x_stride_b, num_rows_b, eps,
@@ -100,6 +101,7 @@ def _add_rms_norm_kernel(
     that rounded sum: one pass over the row instead of an add kernel and a norm kernel.
     DELTA_SPLITS > 0: delta is fp32 split-K partial sums (split s at s·split_stride), summed
     and rounded to bf16 here exactly as `row_matmul`'s sum kernel would have."""
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -125,6 +127,7 @@ def _gated_rms_norm_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     row_a = row // num_rows_b
     row_b = row % num_rows_b
@@ -172,6 +175,7 @@ def rms_norm(
         D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, INTERPRETED=is_interpreting(),
         num_warps=_num_warps(block),
         enable_fp_fusion=FP_FUSION,
+        launch_pdl=programmatic_launch(),
     )  # fmt: skip
     return out
 
@@ -212,6 +216,7 @@ def add_rms_norm(
         x.contiguous(), delta, weight, total, out, eps, x.numel(),
         D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, DELTA_SPLITS=splits,
         INTERPRETED=is_interpreting(), num_warps=_num_warps(block), enable_fp_fusion=FP_FUSION,
+        launch_pdl=programmatic_launch(),
     )  # fmt: skip
     return total, out
 
@@ -249,6 +254,7 @@ def gated_rms_norm(
         D=dim, BLOCK=block, PRODUCT_DTYPE=product_dtype, INTERPRETED=is_interpreting(),
         num_warps=_num_warps(block),
         enable_fp_fusion=FP_FUSION,
+        launch_pdl=programmatic_launch(),
     )  # fmt: skip
     return out
 

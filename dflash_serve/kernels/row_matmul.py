@@ -25,8 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting
-from dflash_serve.kernels.jit_math import dot_in, round_to, store_row_tile, summed_splits
+from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels.jit_math import (
+    dot_in,
+    round_to,
+    store_row_tile,
+    summed_splits,
+    wait_for_inputs,
+)
 from dflash_serve.layers.split_sums import SplitSums
 
 BLOCK_M = 16
@@ -269,6 +275,7 @@ def _row_matmul_kernel(
 ):  # fmt: skip
     """Program (i, j, s): row tiles i·ROW_TILES.., output columns j·BLOCK_N.., K split s.
     One weight tile per loop step, used by each of the program's row tiles."""
+    wait_for_inputs()
     row0 = tl.program_id(0) * (BLOCK_M * ROW_TILES)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(2) * K_PER_SPLIT
@@ -295,6 +302,7 @@ def _sum_splits_kernel(
     partial_ptr, out_ptr, M, stride_om,
     N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = summed_splits(partial_ptr, offs, mask, M * N, SPLIT_K)
@@ -312,6 +320,7 @@ def sum_splits(partials: torch.Tensor, out: torch.Tensor | None = None) -> torch
         _sum_splits_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             partials, out, m, out.stride(0), N=n, SPLIT_K=splits, BLOCK=REDUCE_BLOCK,
             ROUND_ON_BITS=is_interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION,
+            launch_pdl=programmatic_launch(),
         )  # fmt: skip
     return out
 
@@ -349,7 +358,7 @@ def row_matmul(
     is_interpreted = is_interpreting()
     launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
     launch_args |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    launch_args |= {"enable_fp_fusion": FP_FUSION}
+    launch_args |= {"enable_fp_fusion": FP_FUSION, "launch_pdl": programmatic_launch()}
     _row_matmul_kernel[grid](
         x, weight, target.written, m, x.stride(0), weight.stride(0), stride_os, stride_om,
         **shape_args, **launch_args,

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting
-from dflash_serve.kernels.jit_math import round_to
+from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels.jit_math import round_to, wait_for_inputs
 from dflash_serve.layers.activations import silu
 
 BLOCK = 1024
@@ -23,6 +23,7 @@ def _silu_mul_kernel(
     gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_o,
     BLOCK: tl.constexpr, IS_BF16: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -52,7 +53,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[grid](
             gate_rows, up_rows, out, n, gate_rows.stride(0), up_rows.stride(0), out.stride(0),
             BLOCK=BLOCK, IS_BF16=gate.dtype == torch.bfloat16, ROUND_ON_BITS=is_interpreting(),
-            enable_fp_fusion=FP_FUSION,
+            enable_fp_fusion=FP_FUSION, launch_pdl=programmatic_launch(),
         )  # fmt: skip
     return out.reshape(gate.shape)
 

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from dflash_serve.checkpoint.int4_formats import NIBBLES_PER_WORD, PackedInt4Weight, unpack_int4
-from dflash_serve.kernels import FP_FUSION, is_interpreting
-from dflash_serve.kernels.jit_math import dot_in, store_row_tile
+from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels.jit_math import dot_in, store_row_tile, wait_for_inputs
 from dflash_serve.kernels.row_matmul import RowOutput, check_rows
 from dflash_serve.layers.split_sums import SplitSums
 
@@ -317,6 +317,7 @@ def _w4a16_kernel(
 ):  # fmt: skip
     """Program (j, i, s): outputs j·BLOCK_N.., rows i·BLOCK_M.., K split s; acc holds the
     tile transposed, [BLOCK_N, BLOCK_M] (the weight on the MMA's tall side)."""
+    wait_for_inputs()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     row0 = tl.program_id(1) * BLOCK_M
@@ -365,6 +366,7 @@ def w4a16_matmul(
         TILES_PER_SPLIT=config.tiles_per_split, SPLIT_K=config.split_k,
         BLOCK_N=config.block_n, BLOCK_M=config.block_m, INTERPRETED=is_interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION,
+        launch_pdl=programmatic_launch(),
     )  # fmt: skip
     return target.result()
 

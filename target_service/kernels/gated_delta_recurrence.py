@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import is_interpreting
-from dflash_serve.kernels.jit_math import round_to
+from dflash_serve.kernels import is_interpreting, programmatic_launch
+from dflash_serve.kernels.jit_math import round_to, wait_for_inputs
 from target_service.model.delta_rule import (
     L2_NORM_EPS,
     expand_key_heads,
@@ -122,6 +122,7 @@ def _recurrent_gated_delta_kernel(
     HAS_OUT: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    wait_for_inputs()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     v_block = tl.program_id(2)
@@ -252,6 +253,7 @@ def recurrent_gated_delta(
         INTERPRETED=is_interpreting(),
         num_warps=num_warps,
         enable_fp_fusion=False,
+        launch_pdl=programmatic_launch(),
     )
 
 

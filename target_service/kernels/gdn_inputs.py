@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dflash_serve.kernels import is_interpreting
-from dflash_serve.kernels.jit_math import exact_exp, round_to
+from dflash_serve.kernels import is_interpreting, programmatic_launch
+from dflash_serve.kernels.jit_math import exact_exp, round_to, wait_for_inputs
 from dflash_serve.layers.activations import SOFTPLUS_THRESHOLD, sigmoid, silu, softplus
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
@@ -95,6 +95,7 @@ def _gdn_inputs_kernel(
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, THRESHOLD: tl.constexpr,
     RECORD: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     seq = row // T
     t = row % T
@@ -232,6 +233,7 @@ def _launch(
         BLOCK_C=block_c, BLOCK_H=triton.next_power_of_2(num_heads),
         THRESHOLD=SOFTPLUS_THRESHOLD, RECORD=record,
         INTERPRETED=is_interpreting(), num_warps=NUM_WARPS, enable_fp_fusion=False,
+        launch_pdl=programmatic_launch(),
     )  # fmt: skip
 
 
