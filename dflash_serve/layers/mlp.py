@@ -43,14 +43,15 @@ class SwiGLU(nn.Module):
             self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self._gate_and_up(x)
+        activated = silu(gate) * up if self.silu_mul is None else self.silu_mul(gate, up)
+        return self.down_proj(activated)
+
+    def _gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_proj(x) and up_proj(x): through the row kernel where it takes x's rows (not
+        the target's prefill), else one matmul over the stacked weight, else the two linears."""
         if self.gate_up is not None and self.gate_up.accepts(x):
-            gate, up = self.gate_up(x)
-            return self.down_proj(self.silu_mul(gate, up))
+            return self.gate_up(x)
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            if self.silu_mul is None:
-                return self.down_proj(silu(gate) * up)
-            return self.down_proj(self.silu_mul(gate, up))
-        if self.silu_mul is not None:  # rows beyond the row kernels' (the target's prefill)
-            return self.down_proj(self.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+            return F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.gate_proj(x), self.up_proj(x)
