@@ -49,6 +49,12 @@ def programmatic_launch() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+def launch_options(fp_fusion: bool = FP_FUSION) -> dict[str, bool]:
+    """The compile/launch options every kernel launch passes: FMA contraction (`FP_FUSION`
+    unless the kernel turns it off) and programmatic dependent launch."""
+    return {"enable_fp_fusion": fp_fusion, "launch_pdl": programmatic_launch()}
+
+
 @contextmanager
 def fast_path_startup(is_enabled: bool) -> Iterator[None]:
     """Name the way out when compiling kernels or capturing graphs fails at start-up

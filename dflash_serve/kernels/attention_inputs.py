@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import wait_for_inputs
 from dflash_serve.kernels.norm_rotary import norm_rotary_reference, store_rotated
 from dflash_serve.kernels.rms_norm import _num_warps, _scaled_norm
@@ -142,7 +142,7 @@ def attention_inputs_into_cache(
         NUM_Q_HEADS=num_q_heads, Q_STRIDE=query_stride, NUM_KV_HEADS=num_kv_heads, D=dim,
         BLOCK=block,
         HALF=rotary_dim // 2, ZERO_CENTRED=zero_centred, INTERPRETED=is_interpreting(),
-        num_warps=_num_warps(block), enable_fp_fusion=FP_FUSION, launch_pdl=programmatic_launch(),
+        num_warps=_num_warps(block), **launch_options(),
     )  # fmt: skip
     return queries
 

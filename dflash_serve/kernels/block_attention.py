@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import wait_for_inputs
 from dflash_serve.layers.attention import attend_each_query
 
@@ -433,8 +433,7 @@ def block_attention(
         DOT_IN_FP32=is_interpreting() or q.dtype == torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        enable_fp_fusion=FP_FUSION,
-        launch_pdl=programmatic_launch(),
+        **launch_options(),
         **rule,
     )
     _combine_splits_kernel[(num_kv_heads, num_tokens, num_seqs)](
@@ -451,8 +450,7 @@ def block_attention(
         BLOCK_G=triton.next_power_of_2(group),
         SPLIT_KEYS=config.split_keys,
         num_warps=COMBINE_NUM_WARPS,
-        enable_fp_fusion=FP_FUSION,
-        launch_pdl=programmatic_launch(),
+        **launch_options(),
         **rule,
     )
     return out

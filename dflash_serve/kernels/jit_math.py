@@ -26,8 +26,8 @@ def wait_for_inputs():
     """Every kernel's first statement. Under programmatic dependent launch
     (`kernels.programmatic_launch`) a kernel's programs may start while the kernel before it
     still runs: wait here until it has finished and its writes are visible, before any load
-    or store, then let the kernel after this one be scheduled. Without it, and under the
-    interpreter, this costs nothing and changes nothing."""
+    or store, then let the kernel after this one be scheduled. Launched without PDL, and
+    under the interpreter, this costs nothing and changes nothing."""
     if not _INTERPRETED:
         gdc_wait()
         gdc_launch_dependents()

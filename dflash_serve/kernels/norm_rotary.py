@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import round_to, wait_for_inputs
 from dflash_serve.kernels.rms_norm import _check_input, _normed_row, _num_warps, _rows
 from dflash_serve.layers import norm_math
@@ -123,7 +123,7 @@ def norm_rotary(
         tokens.stride(0), tokens.stride(1), rotary_dim, num_heads, eps,
         D=dim, BLOCK=block, HALF=rotary_dim // 2, ZERO_CENTRED=zero_centred,
         INTERPRETED=is_interpreting(), num_warps=_num_warps(block),
-        enable_fp_fusion=FP_FUSION, launch_pdl=programmatic_launch(),
+        **launch_options(),
     )  # fmt: skip
     return out
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import exact_exp, round_to, summed_splits, wait_for_inputs
 from dflash_serve.layers import norm_math
 from dflash_serve.layers.split_sums import SplitSums, materialized
@@ -174,8 +174,7 @@ def rms_norm(
         x_rows.shape[1], eps,
         D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, INTERPRETED=is_interpreting(),
         num_warps=_num_warps(block),
-        enable_fp_fusion=FP_FUSION,
-        launch_pdl=programmatic_launch(),
+        **launch_options(),
     )  # fmt: skip
     return out
 
@@ -215,8 +214,7 @@ def add_rms_norm(
     _add_rms_norm_kernel[(x.numel() // dim,)](
         x.contiguous(), delta, weight, total, out, eps, x.numel(),
         D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, DELTA_SPLITS=splits,
-        INTERPRETED=is_interpreting(), num_warps=_num_warps(block), enable_fp_fusion=FP_FUSION,
-        launch_pdl=programmatic_launch(),
+        INTERPRETED=is_interpreting(), num_warps=_num_warps(block), **launch_options(),
     )  # fmt: skip
     return total, out
 
@@ -253,8 +251,7 @@ def gated_rms_norm(
         out_rows.stride(0), out_rows.stride(1), x_rows.shape[1], eps,
         D=dim, BLOCK=block, PRODUCT_DTYPE=product_dtype, INTERPRETED=is_interpreting(),
         num_warps=_num_warps(block),
-        enable_fp_fusion=FP_FUSION,
-        launch_pdl=programmatic_launch(),
+        **launch_options(),
     )  # fmt: skip
     return out
 

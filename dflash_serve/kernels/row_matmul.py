@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import (
     dot_in,
     round_to,
@@ -319,8 +319,7 @@ def sum_splits(partials: torch.Tensor, out: torch.Tensor | None = None) -> torch
     if m:
         _sum_splits_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             partials, out, m, out.stride(0), N=n, SPLIT_K=splits, BLOCK=REDUCE_BLOCK,
-            ROUND_ON_BITS=is_interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION,
-            launch_pdl=programmatic_launch(),
+            ROUND_ON_BITS=is_interpreting(), num_warps=4, **launch_options(),
         )  # fmt: skip
     return out
 
@@ -358,7 +357,7 @@ def row_matmul(
     is_interpreted = is_interpreting()
     launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
     launch_args |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    launch_args |= {"enable_fp_fusion": FP_FUSION, "launch_pdl": programmatic_launch()}
+    launch_args |= launch_options()
     _row_matmul_kernel[grid](
         x, weight, target.written, m, x.stride(0), weight.stride(0), stride_os, stride_om,
         **shape_args, **launch_args,

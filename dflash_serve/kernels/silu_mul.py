@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import round_to, wait_for_inputs
 from dflash_serve.layers.activations import silu
 
@@ -53,7 +53,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[grid](
             gate_rows, up_rows, out, n, gate_rows.stride(0), up_rows.stride(0), out.stride(0),
             BLOCK=BLOCK, IS_BF16=gate.dtype == torch.bfloat16, ROUND_ON_BITS=is_interpreting(),
-            enable_fp_fusion=FP_FUSION, launch_pdl=programmatic_launch(),
+            **launch_options(),
         )  # fmt: skip
     return out.reshape(gate.shape)
 

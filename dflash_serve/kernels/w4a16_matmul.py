@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from dflash_serve.checkpoint.int4_formats import NIBBLES_PER_WORD, PackedInt4Weight, unpack_int4
-from dflash_serve.kernels import FP_FUSION, is_interpreting, programmatic_launch
+from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import dot_in, store_row_tile, wait_for_inputs
 from dflash_serve.kernels.row_matmul import RowOutput, check_rows
 from dflash_serve.layers.split_sums import SplitSums
@@ -365,8 +365,7 @@ def w4a16_matmul(
         RAGGED_K=k % TILE_K != 0, NUM_TILES=weight.num_tiles,
         TILES_PER_SPLIT=config.tiles_per_split, SPLIT_K=config.split_k,
         BLOCK_N=config.block_n, BLOCK_M=config.block_m, INTERPRETED=is_interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION,
-        launch_pdl=programmatic_launch(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(),
     )  # fmt: skip
     return target.result()
 

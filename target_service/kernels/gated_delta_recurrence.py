@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_serve.kernels import is_interpreting, programmatic_launch
+from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import round_to, wait_for_inputs
 from target_service.model.delta_rule import (
     L2_NORM_EPS,
@@ -252,8 +252,7 @@ def recurrent_gated_delta(
         HAS_OUT=out is not None,
         INTERPRETED=is_interpreting(),
         num_warps=num_warps,
-        enable_fp_fusion=False,
-        launch_pdl=programmatic_launch(),
+        **launch_options(fp_fusion=False),
     )
 
 

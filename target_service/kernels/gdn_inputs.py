@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dflash_serve.kernels import is_interpreting, programmatic_launch
+from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import exact_exp, round_to, wait_for_inputs
 from dflash_serve.layers.activations import SOFTPLUS_THRESHOLD, sigmoid, silu, softplus
 
@@ -232,8 +232,7 @@ def _launch(
         C=num_channels, KEY_DIM=key_dim, HV=num_heads, W=conv_weight.shape[1],
         BLOCK_C=block_c, BLOCK_H=triton.next_power_of_2(num_heads),
         THRESHOLD=SOFTPLUS_THRESHOLD, RECORD=record,
-        INTERPRETED=is_interpreting(), num_warps=NUM_WARPS, enable_fp_fusion=False,
-        launch_pdl=programmatic_launch(),
+        INTERPRETED=is_interpreting(), num_warps=NUM_WARPS, **launch_options(fp_fusion=False),
     )  # fmt: skip
 
 
