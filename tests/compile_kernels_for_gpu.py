@@ -174,6 +174,8 @@ def launch_every_variant() -> None:
         for causal, window in ((True, None), (False, 64), (True, 64)):
             block_attention(q, key_cache, value_cache, slots, starts, 0.1, causal=causal,
                             window=window)  # fmt: skip
+    gates = attention_tests.strided_gates(q, seed=0)  # a gated output, as the target verifies
+    block_attention(q, key_cache, value_cache, slots, starts, 0.1, gate=gates)
     inputs = gdn_tests.make_inputs(2, 16, torch.bfloat16, seed=0)
     prepare_gdn_inputs(**inputs, **gdn_tests.make_outputs(inputs))
     gdn_tests.run_prefill(prepare_gdn_prefill_inputs, inputs)  # no block record

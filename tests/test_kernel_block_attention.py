@@ -18,6 +18,7 @@ from dflash_serve.kernels.block_attention import (
     block_attention_reference,
     launch_config,
 )
+from dflash_serve.layers.activations import sigmoid
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -291,6 +292,9 @@ def replace_config(**changes) -> LaunchConfig:
         ("slots", lambda a: {**a, "slots": a["slots"].int()}),
         ("start_positions", lambda a: {**a, "start_positions": a["start_positions"].float()}),
         ("out", lambda a: {**a, "out": torch.empty_like(a["q"][:, :1])}),
+        ("gate", lambda a: {**a, "gate": torch.empty_like(a["q"][..., :16])}),
+        ("gate", lambda a: {**a, "gate": torch.empty_like(a["q"]).float()}),
+        ("gate", lambda a: {**a, "gate": torch.empty_like(a["q"]).transpose(2, 3)}),
         ("window", lambda a: {**a, "window": 0}),
         ("window", lambda a: {**a, "window": 2.5}),
         ("config", lambda a: {**a, "config": replace_config(split_keys=96)}),
@@ -305,6 +309,37 @@ def test_bad_inputs_raise_value_error_naming_the_argument(argument, change):
     )
     with pytest.raises(ValueError, match=argument):
         block_attention(**change(args), scale=0.1)
+
+
+def strided_gates(q: torch.Tensor, seed: int) -> torch.Tensor:
+    """Gates as Qwen3.5's verify reads them: each head's half of a [.., heads, 2·D] projection."""
+    gen = torch.Generator().manual_seed(seed)
+    projection = 3 * torch.randn(*q.shape[:3], 2 * q.shape[3], generator=gen)
+    return projection.to(q.device, q.dtype)[..., q.shape[3] :]
+
+
+def assert_gate_applied_as_torch_applies_it(problem, scale, seed):
+    """The gated launch against the ungated one times `activations.sigmoid` in torch (five
+    launches of bf16 ops), bit for bit."""
+    gates = strided_gates(problem[0], seed)
+    gated = block_attention(*problem, scale, gate=gates)
+    expected = block_attention(*problem, scale) * sigmoid(gates)
+    assert torch.equal(gated, expected)
+    assert not torch.equal(gated, block_attention(*problem, scale))
+
+
+@pytest.mark.parametrize(("num_tokens", "starts"), [(1, [0, 9]), (5, [40, 3])])
+def test_gate_is_applied_as_torch_applies_it(num_tokens, starts):
+    problem = random_problem(4, 2, 32, num_tokens, starts, seed=3)
+    assert_gate_applied_as_torch_applies_it(problem, 0.2, seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gate_is_applied_as_torch_applies_it_at_qwen35_4b_shapes_on_gpu():
+    starts = [0, 15, 1000, 4000]
+    problem = random_problem(16, 4, 256, 16, starts, num_slots=10, cache_len=4096, seed=11)
+    assert_gate_applied_as_torch_applies_it(problem, 256**-0.5, seed=12)
 
 
 @pytest.mark.gpu

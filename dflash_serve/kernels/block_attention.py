@@ -16,7 +16,8 @@ positions, chunk s = [s·SPLIT_KEYS, (s + 1)·SPLIT_KEYS), and two kernels run:
   [B, T, H, num_splits, ·]. Chunks no row of the tile sees are neither computed nor written;
 - a combine program owns one (sequence, token, kv head group) and merges, in increasing chunk
   order, exactly the chunks that overlap the token's visible key range (so it never reads an
-  unwritten partial), then divides by l and rounds to the output dtype.
+  unwritten partial), then divides by l and rounds to the output dtype (given a gate, then
+  times its sigmoid: Qwen3.5's gated output, rounded op for op as torch's ops round it).
 num_splits = cdiv(L, SPLIT_KEYS) and P = min(num_splits, cdiv(min_programs, B·Hkv·tiles)) come
 from shapes, so the launch depends on shapes only (graph-capturable, no host sync). P, not
 num_splits, sizes the grid: a cache sized for the longest context would otherwise launch mostly
@@ -53,7 +54,7 @@ import triton
 import triton.language as tl
 
 from dflash_serve.kernels import is_interpreting, launch_options
-from dflash_serve.kernels.jit_math import wait_for_inputs
+from dflash_serve.kernels.jit_math import round_to, sigmoid_in, wait_for_inputs
 from dflash_serve.layers.attention import attend_each_query
 
 # A full speculative block (anchor + 15 drafts) is one tile when the group allows it.
@@ -284,7 +285,14 @@ def _split_attention_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["num_tokens", "num_splits", "o_stride_b", "o_stride_t"],
+    do_not_specialize=[
+        "num_tokens",
+        "num_splits",
+        "o_stride_b",
+        "o_stride_t",
+        "g_stride_b",
+        "g_stride_t",
+    ],
     do_not_specialize_on_alignment=INDEX_POINTERS,
 )
 def _combine_splits_kernel(
@@ -292,12 +300,16 @@ def _combine_splits_kernel(
     partial_max_ptr,
     partial_sum_ptr,
     out_ptr,
+    gate_ptr,
     starts_ptr,
     num_tokens,
     num_splits,
     o_stride_b,
     o_stride_t,
     o_stride_h,
+    g_stride_b,
+    g_stride_t,
+    g_stride_h,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -305,7 +317,11 @@ def _combine_splits_kernel(
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     WINDOW: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
+    """One (kv head, token, sequence): the group's chunks merged, then (HAS_GATE) times
+    σ(gate) as torch computes `attn * sigmoid(gate)` in the output dtype, op for op."""
     wait_for_inputs()
     kv_head = tl.program_id(0)
     token = tl.program_id(1)
@@ -347,12 +363,15 @@ def _combine_splits_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_dtype = out_ptr.dtype.element_ty
+    if HAS_GATE:  # attn rounded as the ungated store rounds it, then the product rounded
+        gate_rows = seq * g_stride_b + token * g_stride_t + heads * g_stride_h
+        gate = tl.load(gate_ptr + gate_rows[:, None] + dims[None, :], mask=is_row[:, None])
+        attn = out.to(out_dtype).to(tl.float32)
+        gated = attn * sigmoid_in(gate.to(tl.float32), out_dtype, INTERPRETED)
+        out = round_to(gated, out_dtype, INTERPRETED)
     out_rows = seq * o_stride_b + token * o_stride_t + heads * o_stride_h
-    tl.store(
-        out_ptr + out_rows[:, None] + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=is_row[:, None],
-    )
+    tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_dtype), mask=is_row[:, None])
 
 
 def block_attention(
@@ -367,6 +386,7 @@ def block_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of B blocks of T tokens each over their slots of one layer's KV cache.
 
@@ -383,8 +403,12 @@ def block_attention(
     B·T·H·cdiv(L, split_keys)·(D + 2) values. fp32 inputs always take the IEEE fp32 dot (the
     default TF32 would lose precision). `config` defaults to `launch_config` of the head shape;
     bit-exact row independence holds between calls with the same config.
+    gate: optional [B, T, H, D] of q's dtype (any strides, unit in D): the output is then
+    `attn * activations.sigmoid(gate)`, bit for bit torch's five launches for it on the GPU
+    (Qwen3.5's gated attention output), in the combine kernel.
     """
     _check_inputs(q, key_cache, value_cache, slots, start_positions, out, window)
+    _check_like_output("gate", gate, q)
     num_seqs, num_tokens, num_heads, head_dim = q.shape
     cache_len, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -441,14 +465,18 @@ def block_attention(
         partial_max,
         partial_sum,
         out,
+        out if gate is None else gate,  # (never read without HAS_GATE)
         start_positions,
         num_tokens,
         num_splits,
         *out.stride()[:3],
+        *(out if gate is None else gate).stride()[:3],
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_G=triton.next_power_of_2(group),
         SPLIT_KEYS=config.split_keys,
+        HAS_GATE=gate is not None,
+        INTERPRETED=is_interpreting(),
         num_warps=COMBINE_NUM_WARPS,
         **launch_options(),
         **rule,
@@ -529,15 +557,21 @@ def _check_inputs(q, key_cache, value_cache, slots, start_positions, out, window
     _check_per_sequence(
         "start_positions", start_positions, (torch.int32, torch.int64), num_seqs, q.device
     )
-    if out is not None and (
-        out.shape != q.shape
-        or out.dtype != q.dtype
-        or out.device != q.device
-        or out.stride(-1) != 1
+    _check_like_output("out", out, q)
+
+
+def _check_like_output(name: str, tensor: torch.Tensor | None, q: torch.Tensor) -> None:
+    """`out` and `gate`: optional, q's shape, dtype and device, unit stride in D."""
+    if tensor is not None and (
+        tensor.shape != q.shape
+        or tensor.dtype != q.dtype
+        or tensor.device != q.device
+        or tensor.stride(-1) != 1
     ):
         raise ValueError(
-            f"out: expected {tuple(q.shape)} {q.dtype} on {q.device} with unit stride in D, "
-            f"got {tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}"
+            f"{name}: expected {tuple(q.shape)} {q.dtype} on {q.device} with unit stride in D, "
+            f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} "
+            f"strides {tensor.stride()}"
         )
 
 

@@ -1,6 +1,7 @@
 """Triton device functions several kernels share: the wait every kernel starts with, an exp
 that matches torch's, fp32 rounding to a narrower dtype that Triton's interpreter gets right,
-and the matmuls' dot and tile store.
+the sigmoid of `dflash_serve.layers.activations` as torch computes it, and the matmuls' dot
+and tile store.
 
 On the GPU `exact_exp` is libdevice's `expf` (what torch's CUDA kernels call; `tl.exp` is
 approximate there) and `round_to` is the plain round-to-nearest-even cast. Triton's CPU
@@ -48,6 +49,16 @@ def round_to(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True).to(DTYPE)
     return x.to(DTYPE)
+
+
+@triton.jit
+def sigmoid_in(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """`activations.sigmoid`, 1 / (1 + exp(−x)), as torch evaluates it on a DTYPE tensor: each
+    op in fp32, its result rounded to DTYPE (no rounding for fp32), division IEEE. x: fp32
+    holding DTYPE values; returns fp32 holding a DTYPE value, bit for bit torch's on the GPU."""
+    e = round_to(exact_exp(-x, INTERPRETED), DTYPE, INTERPRETED).to(tl.float32)
+    s = round_to(1.0 + e, DTYPE, INTERPRETED).to(tl.float32)
+    return round_to(tl.div_rn(1.0, s), DTYPE, INTERPRETED).to(tl.float32)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dflash_serve.kernels import is_interpreting, launch_options
-from dflash_serve.kernels.jit_math import exact_exp, round_to, wait_for_inputs
+from dflash_serve.kernels.jit_math import exact_exp, round_to, sigmoid_in, wait_for_inputs
 from dflash_serve.layers.activations import SOFTPLUS_THRESHOLD, sigmoid, silu, softplus
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
@@ -46,11 +46,6 @@ def _log1p(y, INTERPRETED: tl.constexpr):
         is_tiny = u == 1.0
         return tl.where(is_tiny, y, tl.log(u) * tl.div_rn(y, tl.where(is_tiny, 1.0, u - 1.0)))
     return libdevice.log1p(y)
-
-
-@triton.jit
-def _sigmoid(x, INTERPRETED: tl.constexpr):
-    return tl.div_rn(1.0, 1.0 + exact_exp(-x, INTERPRETED))
 
 
 @triton.jit
@@ -115,7 +110,9 @@ def _gdn_inputs_kernel(
             x_at, stride_x_t, state_at, stride_state_w, weight_at, stride_weight_w, t, mask,
             j, W, INTERPRETED,
         )  # fmt: skip
-    out = round_to(conv * _sigmoid(conv, INTERPRETED), out_ptr.dtype.element_ty, INTERPRETED)
+    out = round_to(
+        conv * sigmoid_in(conv, tl.float32, INTERPRETED), out_ptr.dtype.element_ty, INTERPRETED
+    )
     tl.store(out_ptr + seq * stride_out_b + t * stride_out_t + cols, out, mask=mask)
 
     if RECORD:
@@ -140,7 +137,7 @@ def _gdn_inputs_kernel(
         # exp of min(g, THRESHOLD): where softplus(g) = g the log1p branch is discarded anyway.
         log_term = _log1p(exact_exp(tl.minimum(g, THRESHOLD), INTERPRETED), INTERPRETED)
         decay = -exact_exp(a_log, INTERPRETED) * tl.where(g > THRESHOLD, g, log_term)
-        beta = _sigmoid(b.to(tl.float32), INTERPRETED)
+        beta = sigmoid_in(b.to(tl.float32), tl.float32, INTERPRETED)
         tl.store(decay_ptr + seq * stride_decay_b + t * stride_decay_t + heads, decay, mask=mask_h)
         tl.store(beta_ptr + seq * stride_beta_b + t * stride_beta_t + heads, beta, mask=mask_h)
         if RECORD:

@@ -54,14 +54,16 @@ class GatedAttention(nn.Module):
         state: TargetState,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        num_seqs, num_tokens, _ = x.shape
         if self._verifies_fused(x, batch, state):
-            projected_q, attn = self._verify_fused(x, batch, state, cos_sin)
-        else:
-            projected_q, attn = self._project_and_attend(x, batch, state, cos_sin)
+            return self.o_proj(self._verify_fused(x, batch, state, cos_sin))
+        projected_q, attn = self._project_and_attend(x, batch, state, cos_sin)
+        return self.o_proj(attn * sigmoid(self._gates(projected_q).reshape(attn.shape)))
+
+    def _gates(self, projected_q: torch.Tensor) -> torch.Tensor:
+        """The output gates [B, T, heads, head_dim] in the query-and-gate projection (a view)."""
+        num_seqs, num_tokens, _ = projected_q.shape
         per_head = projected_q.reshape(num_seqs, num_tokens, self.num_heads, 2 * self.head_dim)
-        gate = per_head[..., self.head_dim :].reshape(num_seqs, num_tokens, -1)
-        return self.o_proj(attn * sigmoid(gate))
+        return per_head[..., self.head_dim :]
 
     def _project_and_attend(self, x, batch: ForwardBatch, state: TargetState, cos_sin):
         """The projections, the q/k norms and rotations, then attention by the batch's kind →
@@ -99,11 +101,12 @@ class GatedAttention(nn.Module):
         )
 
     def _verify_fused(self, x, batch: ForwardBatch, state: TargetState, cos_sin):
-        """`_project_and_attend` on the verify path in fewer launches, bit for bit: one matmul
-        for q, k and v, one kernel for the q/k norms and rotations and the cache writes (the
-        query heads, each followed by its gate, read with a stride of 2·head_dim), then the
-        attention kernel. Only device tensors of the batch are read, so a CUDA graph of this
-        replays."""
+        """`_project_and_attend` and the output gate on the verify path in fewer launches, bit
+        for bit: one matmul for q, k and v, one kernel for the q/k norms and rotations and the
+        cache writes (the query heads, each followed by its gate, read with a stride of
+        2·head_dim), then the attention kernel, which applies the gate → attn · σ(gate)
+        [B, T, heads·head_dim]. Only device tensors of the batch are read, so a CUDA graph of
+        this replays."""
         from dflash_serve.kernels.attention_inputs import attention_inputs_into_cache
 
         qkv = self.qkv_projs.stacked(x)
@@ -122,8 +125,8 @@ class GatedAttention(nn.Module):
             batch.positions(x.device),
             query_stride=2 * self.head_dim,
         )
-        projected_q = qkv[..., : self.num_heads * 2 * self.head_dim]
-        return projected_q, self._attend_cache(q, slots, batch, state)
+        gates = self._gates(qkv[..., : self.num_heads * 2 * self.head_dim])
+        return self._attend_cache(q, slots, batch, state, gates)
 
     def _prefill_together(self, q, k, v, batch: ForwardBatch, state: TargetState):
         """Sequences at the same start position (training, equal-length prompts): one call."""
@@ -149,9 +152,12 @@ class GatedAttention(nn.Module):
         value_cache[rows, positions] = v.to(value_cache.dtype)
         return self._attend_cache(q.contiguous(), slots, batch, state)
 
-    def _attend_cache(self, q, slots, batch: ForwardBatch, state: TargetState) -> torch.Tensor:
+    def _attend_cache(
+        self, q, slots, batch: ForwardBatch, state: TargetState, gates=None
+    ) -> torch.Tensor:
         """The attention kernel: queries [B, T, heads, head_dim] over the layer's cache, the
-        block's keys and values already in it → [B, T, heads·head_dim]."""
+        block's keys and values already in it → [B, T, heads·head_dim], times σ(gates) where
+        given."""
         out = self.attention_kernel(
             q,
             state.key_cache[self.attn_index],
@@ -159,6 +165,7 @@ class GatedAttention(nn.Module):
             slots,
             batch.start_index(q.device),
             self.scale,
+            gate=gates,
         )
         return out.reshape(*q.shape[:2], -1)
 
