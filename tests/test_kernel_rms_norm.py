@@ -25,6 +25,7 @@ from dflash_serve.kernels.rms_norm import (
     rms_norm,
     rms_norm_reference,
 )
+from dflash_serve.layers.norms import GatedRMSNorm
 from dflash_serve.layers.split_sums import SplitSums
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -181,6 +182,21 @@ def test_strided_heads_and_out_argument():
     expected = gated_rms_norm_reference(heads, gate, weight, EPS)
     gated_rms_norm(heads, gate, weight, EPS, out=heads)
     _assert_gated_close(heads, expected)
+
+
+def test_gated_norm_module_hands_a_sliced_gate_to_the_kernel_in_place():
+    """The GDN layer's gate z is a column slice of its stacked input projection: the module
+    passes the view itself (a copy was one launch per layer) and gets the copy's result."""
+    slab = torch.randn(6, 3 * 4 * 32, device=DEVICE).to(torch.bfloat16)
+    gate = slab[:, 4 * 32 : 2 * 4 * 32].view(6, 4, 32)
+    x = torch.randn(6, 4, 32, device=DEVICE).to(torch.bfloat16)
+    norm = GatedRMSNorm(32, EPS).to(DEVICE)
+    norm.use_row_kernel()
+    seen = []
+    norm.kernel = lambda x, gate, *args: seen.append(gate) or gated_rms_norm(x, gate, *args)
+    out = norm(x, gate)
+    assert seen[0].data_ptr() == gate.data_ptr() and not seen[0].is_contiguous()
+    assert torch.equal(out, gated_rms_norm(x, gate.contiguous(), norm.weight, EPS))
 
 
 @pytest.mark.parametrize("dim", (100, 2560))

@@ -84,5 +84,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self.kernel(x.contiguous(), gate.contiguous(), self.weight, self.eps)
+            # Strided views go in as they are (the kernel takes row strides): the GDN layer's
+            # gate z is a column slice of its stacked input projection, and copying it was a
+            # launch per layer.
+            return self.kernel(x, gate, self.weight, self.eps)
         return norm_math.gated_rms_norm(x, gate, self.weight, self.eps)

@@ -132,6 +132,7 @@ class Qwen35TextModel(nn.Module):
         concatenated in the listed order.
         """
         h, pending = self.embed_tokens(token_ids), None
+        batch = batch.with_positions(token_ids.device)
         cos_sin = self.rotary.cos_sin(batch.positions(token_ids.device))
         outputs = {}  # a layer's output is the next residual add's sum: no add of its own
         for layer_id, layer in enumerate(self.layers):

@@ -25,6 +25,8 @@ class ForwardBatch:
     `slot_ids` / `start_ids` are the same slots and starts as device tensors. The GPU path
     reads only these, so a CUDA graph captured with one batch replays for any other whose
     tensors were copied into the same buffers (`on_device` builds them once per forward).
+    `position_ids` are the tokens' positions computed from them once per forward
+    (`with_positions`), for the layers that each need them.
     """
 
     slots: tuple[int, ...]
@@ -33,6 +35,7 @@ class ForwardBatch:
     is_verify: bool
     slot_ids: torch.Tensor | None = None  # int64 [B]
     start_ids: torch.Tensor | None = None  # int64 [B]
+    position_ids: torch.Tensor | None = None  # int64 [B, T]
 
     @property
     def batch_size(self) -> int:
@@ -55,5 +58,12 @@ class ForwardBatch:
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """Absolute positions [B, T] of the new tokens."""
+        if self.position_ids is not None:
+            return self.position_ids
         starts = self.start_index(device).unsqueeze(1)
         return starts + torch.arange(self.num_tokens, device=starts.device)
+
+    def with_positions(self, device: torch.device | str) -> ForwardBatch:
+        """This batch with `positions` computed once (two launches on a GPU), for a forward
+        whose attention layers each read them."""
+        return replace(self, position_ids=self.positions(device))
