@@ -85,8 +85,12 @@ def launch_every_variant() -> None:
         tuned_configs,
     )
     from dflash_serve.kernels.silu_mul import silu_mul
-    from dflash_serve.kernels.w4a16_matmul import PlanarInt4, W4A16Config, w4a16_matmul
-    from dflash_serve.kernels.w4a16_matmul import tuned_configs as w4a16_tuned
+    from dflash_serve.kernels.w4a16_matmul import (
+        PlanarInt4,
+        W4A16Config,
+        tuned_launches,
+        w4a16_matmul,
+    )
     from dflash_serve.layers.split_sums import SplitSums
     from target_service.kernels.gated_delta_recurrence import recurrent_gated_delta
     from target_service.kernels.gdn_inputs import prepare_gdn_inputs, prepare_gdn_prefill_inputs
@@ -125,7 +129,7 @@ def launch_every_variant() -> None:
         config = W4A16Config.over_splits(weight.num_tiles, tiles_per_split, block_n=64,
                                          block_m=block_m)  # fmt: skip
         w4a16_matmul(x, weight, config=config)
-    for key, tuned in w4a16_tuned().items():
+    for key, launches in tuned_launches().items():  # each row bucket's launch
         n, k = (int(size) for size in key.split(":")[0].split("x"))
         group = int(key.split(":g")[1])
         weight = PlanarInt4(
@@ -136,7 +140,8 @@ def launch_every_variant() -> None:
             in_features=k,
             group_size=group,
         )
-        w4a16_matmul(torch.empty(16, k, dtype=torch.bfloat16), weight, config=W4A16Config(**tuned))
+        for config in launches:
+            w4a16_matmul(torch.empty(16, k, dtype=torch.bfloat16), weight, config=config)
     rows = torch.randn(4, 64, dtype=torch.bfloat16)
     for zero_centred in (False, True):
         rms_norm(rows, torch.ones(64), 1e-6, zero_centred)

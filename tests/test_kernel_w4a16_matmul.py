@@ -27,6 +27,7 @@ from dflash_serve.kernels.w4a16_matmul import (
     W4A16Config,
     concat_planar,
     repack_planar,
+    tuned_launches,
     w4a16_config,
     w4a16_matmul,
     w4a16_reference,
@@ -69,7 +70,7 @@ def planar_case(kind: str, shape, seed: int = 0):
     """(weight, its packed source, its config)."""
     n, k, group_size = shape
     packed = packed_weight(kind, n, k, group_size, seed)
-    return repack_planar(packed), packed, w4a16_config(n, k, group_size)
+    return repack_planar(packed), packed, w4a16_config(n, k, group_size, rows=37)
 
 
 def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, weight) -> None:
@@ -202,11 +203,30 @@ def test_repack_rejects_groups_that_split_a_plane_or_straddle_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("key", list(tuned_launches()))
+def test_each_tuned_shapes_row_buckets_give_the_same_bits(key):
+    """A tuned shape's launches (one per row bucket) share its K split and differ in tile
+    sizes, warps and stages only, which decide where a row is computed, not how: the same
+    128 rows through each launch, bit for bit."""
+    n, k = (int(size) for size in key.split(":")[0].split("x"))
+    group_size = int(key.split(":g")[1])
+    weight = repack_planar(packed_weight("awq", n, k, group_size, seed=3))
+    x = random_rows(128, k, seed=11)
+    launches = tuned_launches()[key]
+    assert len({(c.tiles_per_split, c.split_k) for c in launches}) == 1
+    first = w4a16_matmul(x, weight, config=launches[0])
+    for config in launches[1:]:
+        assert torch.equal(w4a16_matmul(x, weight, config=config), first), config
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", list(QWEN35_4B_SHAPES))
 @pytest.mark.parametrize("kind", ["awq", "ct_asymmetric"])
 def test_qwen35_4b_shapes(kind, name):
     """The shipped configs on Qwen3.5-4B's 4-bit shapes: the product, 8 verify blocks' rows
-    against one block's and one row's, and one-hot rows bit for bit (the asm unpacking)."""
+    against one block's and one row's (other row buckets' launches where the shape is tuned),
+    and one-hot rows bit for bit (the asm unpacking)."""
     n, k = QWEN35_4B_SHAPES[name]
     packed = packed_weight(kind, n, k, QWEN35_GROUP)
     weight = repack_planar(packed)

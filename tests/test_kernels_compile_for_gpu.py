@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from dflash_serve.kernels.row_matmul import tuned_configs
-from dflash_serve.kernels.w4a16_matmul import tuned_configs as w4a16_tuned_configs
+from dflash_serve.kernels.w4a16_matmul import tuned_launches as w4a16_tuned_launches
 from tests.test_kernel_w4a16_matmul import SHAPES as W4A16_SHAPES
 
 KERNELS = [
@@ -54,7 +54,8 @@ def test_every_kernel_compiles_for_sm90():
     assert len(row_matmul_variants) == 20 + len(tuned_configs())
     w4a16_variants = [line for line in result.stdout.splitlines() if "_w4a16_kernel" in line]
     # the test shapes, 16/32/64-row tiles × two splits, then every tuned configuration
-    assert len(w4a16_variants) == len(W4A16_SHAPES) + 6 + len(w4a16_tuned_configs())
+    tuned = sum(len(launches) for launches in w4a16_tuned_launches().values())
+    assert len(w4a16_variants) == len(W4A16_SHAPES) + 6 + tuned
 
 
 def test_a_kernel_the_gpu_compiler_rejects_fails_the_check():

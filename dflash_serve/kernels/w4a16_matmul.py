@@ -17,9 +17,15 @@ goes straight into the MMA (from registers) against the same slice of x, with no
 of the unpacked values.
 
 Rows: a program computes `block_m` rows (the MMA's narrow side) for `block_n` outputs over
-`tiles_per_split` tiles of K. Every launch parameter comes from the weight's shape
-(`w4a16_config`), never from the row count, and split-K partials are summed in split order
-(`sum_splits`), so a row's result does not depend on how many rows share the launch.
+`tiles_per_split` tiles of K. The K split, which fixes the order of a row's fp32 sums, comes
+from the weight's shape alone (`w4a16_config`), and split-K partials are summed in split
+order (`sum_splits`), so a row's result does not depend on how many rows share the launch.
+The tile sizes, warps and stages may follow the row count (`ROW_BUCKETS`: one verify block,
+or more): they decide which program computes a row, not how. On the H200, with a shape's
+split fixed, every block_n (64, 128) × block_m (16, 32, 64) × stages (2, 3) × warps (4, 8)
+gave the same bits for each tuned shape (2026-12-04,
+bench/results/w4a16-row-buckets-2026-12-04-nvidia-h200.json), and the GPU tests check the
+shipped configurations: rows of a 128-row call equal those of 16-row and 1-row calls.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ BLOCK_MS = (16, 32, 64)
 NUM_SMS = 132  # H200; a constant, so the config never depends on the machine either
 MIN_PROGRAMS = 2 * NUM_SMS
 MIN_TILES_PER_SPLIT = 2
+# Row counts a tuned shape has a launch for: up to one verify block, and anything more.
+ROW_BUCKETS = (16, None)
+LAUNCH_FIELDS = ("block_n", "block_m", "num_warps", "num_stages")
 TUNED_CONFIGS_PATH = Path(__file__).with_name("w4a16_configs.json")
 
 
@@ -147,16 +156,18 @@ class W4A16Config:
         return cls(tiles_per_split=tiles_per_split, split_k=split_k, **launch)
 
 
-def w4a16_config(n: int, k: int, group_size: int) -> W4A16Config:
-    """Launch parameters for a 4-bit [N, K] weight: from its shape alone, never the row count.
+def w4a16_config(n: int, k: int, group_size: int, rows: int) -> W4A16Config:
+    """Launch parameters for `rows` rows of a 4-bit [N, K] weight: the K split from the shape
+    alone, the tiles, warps and stages for the row count's bucket (see the module docstring).
 
     A configuration measured for the shape on the H200 (`tuned_configs`) wins. Otherwise:
     verify and decode stream the whole weight once per row tile, so the aim is every SM
     streaming: K is split until one row tile has at least 2 × 132 programs, keeping at
-    least two tiles per split to pipeline."""
-    tuned = tuned_configs().get(config_key(n, k, group_size))
-    if tuned is not None:
-        return W4A16Config(**tuned)
+    least two tiles per split to pipeline (the same launch for every row count)."""
+    launches = tuned_launches().get(config_key(n, k, group_size))
+    if launches is not None:
+        bucket = next(i for i, most in enumerate(ROW_BUCKETS) if most is None or rows <= most)
+        return launches[bucket]
     block_n = 128 if n >= 2048 else 64
     return split_over_programs(n, k, MIN_PROGRAMS, block_n=block_n, block_m=16)
 
@@ -203,11 +214,33 @@ def config_key(n: int, k: int, group_size: int) -> str:
 
 @functools.cache
 def tuned_configs() -> dict[str, dict]:
-    """Per-shape launch configs measured on an H200 (bench/tune_w4a16.py), by `config_key`;
-    shapes not listed use the heuristic of `w4a16_config`."""
+    """Per-shape launch configs measured on an H200 (bench/tune_w4a16.py), by `config_key`:
+    {tiles_per_split, split_k, by_rows: one launch (LAUNCH_FIELDS) per `ROW_BUCKETS` entry,
+    as max_rows}; shapes not listed use the heuristic of `w4a16_config`."""
     if not TUNED_CONFIGS_PATH.exists():
         return {}
-    return json.loads(TUNED_CONFIGS_PATH.read_text())["configs"]
+    configs = json.loads(TUNED_CONFIGS_PATH.read_text())["configs"]
+    for key, tuned in configs.items():
+        buckets = tuple(launch.get("max_rows") for launch in tuned.get("by_rows", ()))
+        if buckets != ROW_BUCKETS or not {"tiles_per_split", "split_k"} <= tuned.keys():
+            raise ValueError(
+                f"{TUNED_CONFIGS_PATH.name}: {key} needs tiles_per_split, split_k and by_rows "
+                f"for max_rows {ROW_BUCKETS}, got {tuned}"
+            )
+    return configs
+
+
+@functools.cache
+def tuned_launches() -> dict[str, list[W4A16Config]]:
+    """Every tuned shape's launches, one per row bucket (for compiling and checking them)."""
+    return {key: [_launch(tuned, bucket) for bucket in tuned["by_rows"]]
+            for key, tuned in tuned_configs().items()}  # fmt: skip
+
+
+def _launch(tuned: dict, bucket: dict) -> W4A16Config:
+    fields = {name: bucket[name] for name in LAUNCH_FIELDS}
+    return W4A16Config(tiles_per_split=tuned["tiles_per_split"], split_k=tuned["split_k"],
+                       **fields)  # fmt: skip
 
 
 @triton.jit
@@ -394,7 +427,7 @@ def w4a16_matmul(
     n, k = _check(x, weight)
     m = x.shape[0]
     if config is None:  # (explicit configs: tuning and tests only, never per call site)
-        config = w4a16_config(n, k, weight.group_size)
+        config = w4a16_config(n, k, weight.group_size, m)
     target = RowOutput.for_call(x, n, config.split_k, out, keep_splits)
     if m == 0:
         return target.result()
