@@ -68,13 +68,7 @@ class DrafterAttention(nn.Module):
             return self.queries(x, cos_sin), *self.keys_values(x, cos_sin)
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = F.linear(x, self.qkv_weight).split([q_width, kv_width, kv_width], dim=-1)
-        kv_shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
-        q = q.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
-        return (
-            self.q_norm.norm_and_rotate(q, cos_sin),
-            self.k_norm.norm_and_rotate(k.reshape(kv_shape), cos_sin),
-            v.reshape(kv_shape),
-        )
+        return self._rotated_queries(q, cos_sin), *self._rotated_keys_values(k, v, cos_sin)
 
     def into_cache(
         self,
@@ -111,18 +105,26 @@ class DrafterAttention(nn.Module):
     def keys_values(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., T, hidden] → rotated keys and values [..., T, kv_heads, head_dim] (one
         matmul after `stack_projections`)."""
-        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
         if self.qkv_weight is None:
             keys, values = self.k_proj(x), self.v_proj(x)
         else:
             tail = self.qkv_weight[self.num_heads * self.head_dim :]
             keys, values = F.linear(x, tail).chunk(2, dim=-1)
-        keys = self.k_norm.norm_and_rotate(keys.reshape(shape), cos_sin)
-        return keys, values.reshape(shape)
+        return self._rotated_keys_values(keys, values, cos_sin)
 
     def queries(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
-        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
-        return self.q_norm.norm_and_rotate(self.q_proj(x).reshape(shape), cos_sin)
+        return self._rotated_queries(self.q_proj(x), cos_sin)
+
+    def _rotated_queries(self, q: torch.Tensor, cos_sin) -> torch.Tensor:
+        """Projected queries [..., heads·head_dim] → normed and rotated heads."""
+        heads = q.reshape(*q.shape[:-1], self.num_heads, self.head_dim)
+        return self.q_norm.norm_and_rotate(heads, cos_sin)
+
+    def _rotated_keys_values(self, k: torch.Tensor, v: torch.Tensor, cos_sin):
+        """Projected keys and values [..., kv_heads·head_dim] → normed and rotated key heads,
+        value heads."""
+        shape = (*k.shape[:-1], self.num_kv_heads, self.head_dim)
+        return self.k_norm.norm_and_rotate(k.reshape(shape), cos_sin), v.reshape(shape)
 
 
 class DrafterLayer(nn.Module):
