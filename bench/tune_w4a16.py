@@ -42,6 +42,7 @@ from dflash_serve.kernels.w4a16_matmul import (
     W4A16Config,
     config_key,
     repack_planar,
+    row_bucket,
     split_over_programs,
     w4a16_matmul,
     w4a16_reference,
@@ -101,8 +102,7 @@ def by_rows(launches: list[W4A16Config]):
     """`w4a16_matmul` with each row count's launch, as `w4a16_config` would pick it."""
 
     def call(x, weight):
-        bucket = 0 if x.shape[0] <= ROW_BUCKETS[0] else 1
-        return w4a16_matmul(x, weight, config=launches[bucket])
+        return w4a16_matmul(x, weight, config=launches[row_bucket(x.shape[0])])
 
     return call
 

@@ -166,10 +166,14 @@ def w4a16_config(n: int, k: int, group_size: int, rows: int) -> W4A16Config:
     least two tiles per split to pipeline (the same launch for every row count)."""
     launches = tuned_launches().get(config_key(n, k, group_size))
     if launches is not None:
-        bucket = next(i for i, most in enumerate(ROW_BUCKETS) if most is None or rows <= most)
-        return launches[bucket]
+        return launches[row_bucket(rows)]
     block_n = 128 if n >= 2048 else 64
     return split_over_programs(n, k, MIN_PROGRAMS, block_n=block_n, block_m=16)
+
+
+def row_bucket(rows: int) -> int:
+    """The index in `ROW_BUCKETS` (and in a tuned shape's launches) for `rows` rows."""
+    return next(i for i, most in enumerate(ROW_BUCKETS) if most is None or rows <= most)
 
 
 def split_over_programs(n: int, k: int, min_programs: int, **launch: int) -> W4A16Config:
