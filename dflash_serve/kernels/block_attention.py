@@ -460,17 +460,18 @@ def block_attention(
         **launch_options(),
         **rule,
     )
+    gate_or_out = out if gate is None else gate  # (never read without HAS_GATE)
     _combine_splits_kernel[(num_kv_heads, num_tokens, num_seqs)](
         partial_out,
         partial_max,
         partial_sum,
         out,
-        out if gate is None else gate,  # (never read without HAS_GATE)
+        gate_or_out,
         start_positions,
         num_tokens,
         num_splits,
         *out.stride()[:3],
-        *(out if gate is None else gate).stride()[:3],
+        *gate_or_out.stride()[:3],
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_G=triton.next_power_of_2(group),

@@ -153,7 +153,7 @@ class GatedAttention(nn.Module):
         return self._attend_cache(q.contiguous(), slots, batch, state)
 
     def _attend_cache(
-        self, q, slots, batch: ForwardBatch, state: TargetState, gates=None
+        self, q, slots, batch: ForwardBatch, state: TargetState, gates: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The attention kernel: queries [B, T, heads, head_dim] over the layer's cache, the
         block's keys and values already in it → [B, T, heads·head_dim], times σ(gates) where
