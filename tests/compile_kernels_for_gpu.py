@@ -184,6 +184,8 @@ def launch_every_variant() -> None:
     inputs = gdn_tests.make_inputs(2, 16, torch.bfloat16, seed=0)
     prepare_gdn_inputs(**inputs, **gdn_tests.make_outputs(inputs))
     gdn_tests.run_prefill(prepare_gdn_prefill_inputs, inputs)  # no block record
+    split, _ = gdn_tests.as_split_sums(inputs, seed=0)  # b and a as partial sums
+    prepare_gdn_inputs(**split, **gdn_tests.make_outputs(inputs))
     q, k_, v, g, beta, pool = recurrence_tests.make_inputs(2, 16, 2, 4, 128, 128, torch.bfloat16, 0)
     slots = torch.tensor([1, 3])
     recurrent_gated_delta(q, k_, v, g, beta, pool, pool, slots, out=torch.empty(v.shape))

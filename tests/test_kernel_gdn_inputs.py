@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_serve.layers.split_sums import SplitSums
 from target_service.kernels.gdn_inputs import (
     prepare_gdn_inputs,
     prepare_gdn_inputs_reference,
@@ -318,3 +319,43 @@ def test_prefill_variant_at_qwen35_4b_shapes_on_gpu():
                          heads=32, num_slots=3, slots=[2], device="cuda")  # fmt: skip
     outputs = run_prefill(prepare_gdn_prefill_inputs, inputs)
     check_conv_and_gates(inputs, outputs)
+
+
+def as_split_sums(inputs, seed, splits=5):
+    """`inputs` with a and b as split-K partial sums (`SplitSums`: the two halves of one
+    matmul's random fp32 partials), beside the same call on the bf16 tensors they stand for."""
+    batch, tokens, _ = inputs["conv_inputs"].shape
+    heads = inputs["A_log"].shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    partials = 3 * torch.randn(splits, batch * tokens, 2 * heads + 3, generator=gen)
+    gates = SplitSums(partials.to(DEVICE), (batch, tokens, 2 * heads + 3))
+    split = dict(a=gates.columns(0, heads), b=gates.columns(heads, 2 * heads))
+    summed = {name: sums.total() for name, sums in split.items()}
+    return inputs | split, inputs | summed
+
+
+@pytest.mark.parametrize("fn", [prepare_gdn_inputs, prepare_gdn_inputs_reference])
+def test_split_k_gates_give_the_summed_gates_bits(fn):
+    """a and b left as their matmul's partial sums: every output and record bit for bit
+    those of the same call on the sums (`SplitSums.total`: split order, one rounding to
+    bf16), in the verify and the prefill variant."""
+    inputs = make_inputs(2, MAX_TOKENS, torch.bfloat16, seed=11, slots=[3, 1])
+    split, summed = as_split_sums(inputs, seed=12)
+    from_split, from_summed = run(fn, split), run(fn, summed)
+    for name, tensor in from_summed.items():
+        assert torch.equal(from_split[name], tensor), name
+    prefill = (
+        prepare_gdn_prefill_inputs
+        if fn is prepare_gdn_inputs
+        else (prepare_gdn_prefill_inputs_reference)
+    )
+    for name, tensor in run_prefill(prefill, split).items():
+        assert torch.equal(tensor, from_summed[name]), name
+
+
+def test_gates_from_two_matmuls_are_refused():
+    inputs = make_inputs(1, 4, torch.bfloat16, seed=13)
+    split, _ = as_split_sums(inputs, seed=14)
+    other, _ = as_split_sums(inputs, seed=15, splits=3)
+    with pytest.raises(ValueError, match="one matmul"):
+        run(prepare_gdn_inputs, split | {"b": other["b"]})

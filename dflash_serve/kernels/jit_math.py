@@ -72,6 +72,17 @@ def summed_splits(partial_ptr, offs, mask, split_stride, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
+def load_summed(ptr, offs, mask, split_stride, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 values at ptr + offs of an input, or (SPLITS > 0) of a matmul result left as
+    split-K partial sums (`SplitSums`): summed in split order and rounded to bf16 exactly as
+    `row_matmul`'s sum kernel would have, so a consumer gives the same bits either way."""
+    if SPLITS > 0:
+        summed = summed_splits(ptr, offs, mask, split_stride, SPLITS)
+        return round_to(summed, tl.bfloat16, INTERPRETED).to(tl.float32)
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def dot_in(a, b, acc, DOT_IN_FP32: tl.constexpr):
     """acc + a @ b; DOT_IN_FP32 (the interpreter, whose bf16 dot is wrong) multiplies fp32
     copies, in which products of bf16 values are exact."""

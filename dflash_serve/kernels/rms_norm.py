@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dflash_serve.kernels import is_interpreting, launch_options
-from dflash_serve.kernels.jit_math import exact_exp, round_to, summed_splits, wait_for_inputs
+from dflash_serve.kernels.jit_math import exact_exp, load_summed, round_to, wait_for_inputs
 from dflash_serve.layers import norm_math
 from dflash_serve.layers.split_sums import SplitSums, materialized
 
@@ -106,11 +106,7 @@ def _add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    if DELTA_SPLITS > 0:
-        delta = summed_splits(delta_ptr, row * D + cols, mask, split_stride, DELTA_SPLITS)
-        delta = round_to(delta, tl.bfloat16, INTERPRETED).to(tl.float32)
-    else:
-        delta = tl.load(delta_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    delta = load_summed(delta_ptr, row * D + cols, mask, split_stride, DELTA_SPLITS, INTERPRETED)
     total = round_to(x + delta, sum_ptr.dtype.element_ty, INTERPRETED)
     tl.store(sum_ptr + row * D + cols, total, mask=mask)
     y = _scaled_norm(total.to(tl.float32), w_ptr, cols, mask, D, eps, ZERO_CENTRED, INTERPRETED)

@@ -11,6 +11,7 @@ configuration depends only on the weight's shape; larger calls (prefill) keep cu
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 
 import torch
@@ -191,12 +192,24 @@ class RowKernelGroup:
         out = row_kernel_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [..., K] → each linear's output [..., N_i], in the order given (possibly views)."""
+    def __call__(
+        self, x: torch.Tensor, keep_splits_of: Collection[int] = ()
+    ) -> list[torch.Tensor | SplitSums]:
+        """x [..., K] → each linear's output [..., N_i], in the order given (possibly views).
+        keep_splits_of: members (indices) whose outputs may stay a K-split matmul's partial
+        sums (`SplitSums` column slices), for consumers that add them up themselves; a
+        matmul's splits are kept only if all its members are listed."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        outputs: list[torch.Tensor | None] = [None] * len(self.linears)
+        outputs: list[torch.Tensor | SplitSums | None] = [None] * len(self.linears)
         for indices, stacked, sizes in self.calls:
-            stacked_out = row_kernel_matmul(rows, stacked)
-            for index, part in zip(indices, stacked_out.split(sizes, dim=-1), strict=True):
-                outputs[index] = part.reshape(*x.shape[:-1], part.shape[-1])
+            keep_splits = all(index in keep_splits_of for index in indices)
+            stacked_out = row_kernel_matmul(rows, stacked, keep_splits)
+            start = 0
+            for index, size in zip(indices, sizes, strict=True):
+                if isinstance(stacked_out, SplitSums):
+                    part = stacked_out.columns(start, start + size)
+                else:
+                    part = stacked_out[:, start : start + size]
+                outputs[index] = part.reshape(*x.shape[:-1], size)
+                start += size
         return outputs

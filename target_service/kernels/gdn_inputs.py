@@ -31,8 +31,15 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dflash_serve.kernels import is_interpreting, launch_options
-from dflash_serve.kernels.jit_math import exact_exp, round_to, sigmoid_in, wait_for_inputs
+from dflash_serve.kernels.jit_math import (
+    exact_exp,
+    load_summed,
+    round_to,
+    sigmoid_in,
+    wait_for_inputs,
+)
 from dflash_serve.layers.activations import SOFTPLUS_THRESHOLD, sigmoid, silu, softplus
+from dflash_serve.layers.split_sums import SplitSums, kernel_operand, materialized
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 MAX_BLOCK_C = 1024
@@ -73,13 +80,14 @@ def _tap(
         "stride_b_b",
         "stride_decay_b",
         "stride_beta_b",
+        "gate_split_stride",
     ]
 )
 def _gdn_inputs_kernel(
     x_ptr, a_ptr, b_ptr, state_ptr, weight_ptr, a_log_ptr, dt_bias_ptr, slots_ptr,
     out_ptr, decay_ptr, beta_ptr,
     rec_x_ptr, rec_k_ptr, rec_v_ptr, rec_decay_ptr, rec_beta_ptr,
-    T,
+    T, gate_split_stride,
     stride_x_b, stride_x_t, stride_a_b, stride_a_t, stride_b_b, stride_b_t,
     stride_state_s, stride_state_c, stride_state_w, stride_weight_c, stride_weight_w,
     stride_out_b, stride_out_t, stride_decay_b, stride_decay_t, stride_beta_b, stride_beta_t,
@@ -88,8 +96,10 @@ def _gdn_inputs_kernel(
     stride_rec_beta_s, stride_rec_beta_t,
     C: tl.constexpr, KEY_DIM: tl.constexpr, HV: tl.constexpr, W: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, THRESHOLD: tl.constexpr,
-    RECORD: tl.constexpr, INTERPRETED: tl.constexpr,
+    RECORD: tl.constexpr, GATE_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
+    """GATE_SPLITS > 0: a and b are a matmul's split-K partial sums, split s at
+    s·gate_split_stride, added here as `sum_splits` adds them (`load_summed`)."""
     wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     seq = row // T
@@ -129,15 +139,17 @@ def _gdn_inputs_kernel(
     if tl.program_id(1) == 0:
         heads = tl.arange(0, BLOCK_H)
         mask_h = heads < HV
-        a = tl.load(a_ptr + seq * stride_a_b + t * stride_a_t + heads, mask=mask_h, other=0.0)
-        b = tl.load(b_ptr + seq * stride_b_b + t * stride_b_t + heads, mask=mask_h, other=0.0)
+        a_offs = seq * stride_a_b + t * stride_a_t + heads
+        a = load_summed(a_ptr, a_offs, mask_h, gate_split_stride, GATE_SPLITS, INTERPRETED)
+        b_offs = seq * stride_b_b + t * stride_b_t + heads
+        b = load_summed(b_ptr, b_offs, mask_h, gate_split_stride, GATE_SPLITS, INTERPRETED)
         a_log = tl.load(a_log_ptr + heads, mask=mask_h, other=0.0)
         dt_bias = tl.load(dt_bias_ptr + heads, mask=mask_h, other=0.0)
-        g = a.to(tl.float32) + dt_bias
+        g = a + dt_bias
         # exp of min(g, THRESHOLD): where softplus(g) = g the log1p branch is discarded anyway.
         log_term = _log1p(exact_exp(tl.minimum(g, THRESHOLD), INTERPRETED), INTERPRETED)
         decay = -exact_exp(a_log, INTERPRETED) * tl.where(g > THRESHOLD, g, log_term)
-        beta = sigmoid_in(b.to(tl.float32), tl.float32, INTERPRETED)
+        beta = sigmoid_in(b, tl.float32, INTERPRETED)
         tl.store(decay_ptr + seq * stride_decay_b + t * stride_decay_t + heads, decay, mask=mask_h)
         tl.store(beta_ptr + seq * stride_beta_b + t * stride_beta_t + heads, beta, mask=mask_h)
         if RECORD:
@@ -149,8 +161,8 @@ def _gdn_inputs_kernel(
 
 def prepare_gdn_inputs(
     conv_inputs: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | SplitSums,
+    b: torch.Tensor | SplitSums,
     conv_states: torch.Tensor,
     conv_weight: torch.Tensor,
     A_log: torch.Tensor,
@@ -167,6 +179,10 @@ def prepare_gdn_inputs(
     block_betas: torch.Tensor,
 ) -> None:
     """Conv + SiLU, gates and the block record of one GDN layer, for B sequences of T tokens.
+    a and b may be a bf16 matmul's result left as split-K partial sums (`SplitSums` column
+    slices of one matmul): summed here bit for bit as `sum_splits` sums them, which saves its
+    launch. (Not the conv inputs: their four taps would read each partial four times, which
+    measured slower at 8 verify blocks than the sum's launch.)
 
     conv_inputs [B, T, C] bf16/fp32 (channels: q [0, key_dim), k [key_dim, 2·key_dim), v the
     rest); a, b [B, T, Hv] of conv_inputs' dtype; conv_states [S, C, W−1] (oldest first, any
@@ -186,8 +202,8 @@ def prepare_gdn_inputs(
 
 def prepare_gdn_prefill_inputs(
     conv_inputs: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | SplitSums,
+    b: torch.Tensor | SplitSums,
     conv_states: torch.Tensor,
     conv_weight: torch.Tensor,
     A_log: torch.Tensor,
@@ -209,9 +225,13 @@ def _launch(
     conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots, conv_out, decay, beta,
     records, key_dim,
 ):  # fmt: skip
-    """The kernel over B·T rows; `records` (the five block pools) or None: no record."""
+    """The kernel over B·T rows; `records` (the five block pools) or None: no record.
+    a and b may be partial sums (of one matmul, so one split stride)."""
     num_seqs, num_tokens, num_channels = conv_inputs.shape
     num_heads = a.shape[2]
+    (a, gate_split_stride, gate_splits), (b, *b_splits) = kernel_operand(a), kernel_operand(b)
+    if b_splits != [gate_split_stride, gate_splits]:
+        raise ValueError("a, b: as partial sums they must be column slices of one matmul's")
     block_c = min(triton.next_power_of_2(num_channels), MAX_BLOCK_C)
     grid = (num_seqs * num_tokens, triton.cdiv(num_channels, block_c))
     record = records is not None
@@ -222,21 +242,21 @@ def _launch(
     _gdn_inputs_kernel[grid](
         conv_inputs, a, b, conv_states, conv_weight, A_log, dt_bias, slots,
         conv_out, decay, beta, *records,
-        num_tokens,
+        num_tokens, gate_split_stride,
         *conv_inputs.stride()[:2], *a.stride()[:2], *b.stride()[:2],
         *conv_states.stride(), *conv_weight.stride(),
         *conv_out.stride()[:2], *decay.stride()[:2], *beta.stride()[:2], *record_strides,
         C=num_channels, KEY_DIM=key_dim, HV=num_heads, W=conv_weight.shape[1],
         BLOCK_C=block_c, BLOCK_H=triton.next_power_of_2(num_heads),
-        THRESHOLD=SOFTPLUS_THRESHOLD, RECORD=record,
+        THRESHOLD=SOFTPLUS_THRESHOLD, RECORD=record, GATE_SPLITS=gate_splits,
         INTERPRETED=is_interpreting(), num_warps=NUM_WARPS, **launch_options(fp_fusion=False),
     )  # fmt: skip
 
 
 def prepare_gdn_inputs_reference(
     conv_inputs: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | SplitSums,
+    b: torch.Tensor | SplitSums,
     conv_states: torch.Tensor,
     conv_weight: torch.Tensor,
     A_log: torch.Tensor,
@@ -267,8 +287,8 @@ def prepare_gdn_inputs_reference(
 
 def prepare_gdn_prefill_inputs_reference(
     conv_inputs: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | SplitSums,
+    b: torch.Tensor | SplitSums,
     conv_states: torch.Tensor,
     conv_weight: torch.Tensor,
     A_log: torch.Tensor,
@@ -280,6 +300,7 @@ def prepare_gdn_prefill_inputs_reference(
 ) -> None:
     """Plain-torch fp32 version of `prepare_gdn_prefill_inputs` (same arguments and effects)."""
     _check_conv_and_gates(**locals())
+    a, b = materialized(a), materialized(b)
     num_tokens, kernel = conv_inputs.shape[1], conv_weight.shape[1]
     history = conv_states[slots].to(conv_inputs.dtype).transpose(1, 2)
     window = torch.cat((history, conv_inputs), dim=1).float()

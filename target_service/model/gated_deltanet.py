@@ -23,6 +23,11 @@ from target_service.model.delta_rule import expand_key_heads, gated_delta_rule, 
 from target_service.model.forward_batch import ForwardBatch
 from target_service.model.state import TargetState
 
+# b and a in `_projections`' order, which the input kernel may take as split-K partial sums.
+# Not the conv inputs: the conv's four taps would read each of their partials four times,
+# slower at 8 verify blocks than the sum's launch (H200, 2026-12-04).
+GATE_PROJECTIONS = (2, 3)
+
 
 class GatedDeltaNet(nn.Module):
     """in_proj → causal conv + SiLU → gated delta rule → gated RMSNorm → out_proj."""
@@ -123,9 +128,12 @@ class GatedDeltaNet(nn.Module):
 
     def _verify_on_kernels(self, x, batch: ForwardBatch, state: TargetState) -> torch.Tensor:
         """The verify step as three kernels between the matmuls: inputs (conv, SiLU, gates,
-        block record), recurrence, gated norm. Reads only the batch's device tensors."""
+        block record), recurrence, gated norm. Reads only the batch's device tensors. Where
+        the b and a projections are a matmul of their own that splits K (4-bit layers read
+        packed; they stay bf16), the input kernel adds its partial sums as the sum kernel
+        would: one launch fewer per layer."""
         slots, layer = batch.slot_index(x.device), self.gdn_index
-        conv_inputs, z, b, a = self._projections(x)
+        conv_inputs, z, b, a = self._projections(x, keep_splits_of=GATE_PROJECTIONS)
         conv_out, gates = self._kernel_outputs(conv_inputs)
         key_dim = self.split_sizes[0]
         self.inputs_kernel(
@@ -168,11 +176,12 @@ class GatedDeltaNet(nn.Module):
             self.recurrence_kernel(q, k, v, gates[0], gates[1], pool, pool, slots, out=out)
         return self._gated_output(out, z)
 
-    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _projections(self, x: torch.Tensor, keep_splits_of: tuple[int, ...] = ()) -> tuple:
         """(conv_inputs, z, b, a): one kernel matmul per weight kind where the row kernels
-        take x's rows, else the four linears."""
+        take x's rows (those of keep_splits_of possibly as `SplitSums`), else the four
+        linears."""
         if self.in_projs is not None and self.in_projs.accepts(x):
-            return tuple(self.in_projs(x))
+            return tuple(self.in_projs(x, keep_splits_of))
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def _kernel_outputs(self, conv_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
