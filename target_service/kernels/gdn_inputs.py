@@ -231,7 +231,11 @@ def _launch(
     num_heads = a.shape[2]
     (a, gate_split_stride, gate_splits), (b, *b_splits) = kernel_operand(a), kernel_operand(b)
     if b_splits != [gate_split_stride, gate_splits]:
-        raise ValueError("a, b: as partial sums they must be column slices of one matmul's")
+        raise ValueError(
+            "a, b: as partial sums they need one split count and split stride (column slices "
+            f"of one matmul's), got {gate_splits} splits at stride {gate_split_stride} for a "
+            f"and {b_splits[1]} at stride {b_splits[0]} for b"
+        )
     block_c = min(triton.next_power_of_2(num_channels), MAX_BLOCK_C)
     grid = (num_seqs * num_tokens, triton.cdiv(num_channels, block_c))
     record = records is not None
