@@ -27,8 +27,8 @@ def markdown(r: dict) -> str:
         "",
         f"HBM copy bandwidth: **{r.get('hbm_gbps', 0):.0f} GB/s**",
         "",
-        "| layout | weight bytes | floor ms | verify ms (B=1, K=15) | verify / floor | draft ms "
-        "| verify ms, W4A16 reads |",
+        "| layout | weight bytes | floor ms | verify ms (B=1, K=15), bf16-copy reads "
+        "| verify / floor | draft ms | verify ms, W4A16 reads (default) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, layout in r.get("layouts", {}).items():

@@ -33,6 +33,7 @@ from dflash_serve.checkpoint.synthetic import (
     write_drafter,
     write_target,
 )
+from dflash_serve.layers.int4_reads import INT4_READS
 from dflash_serve.startup_heap import freeze_startup_objects
 
 logger = logging.getLogger("bench")
@@ -103,14 +104,16 @@ class Suite:
         self.results["layouts"] = {}
         for layout in self.args.layouts:
             weight_bytes = measure_engine.weight_bytes_per_forward(self.dirs[layout])
-            engine = measure_engine.build_target(self.dirs[layout], 2, 4096, self.device)
+            engine = measure_engine.build_target(  # 4-bit layers: their bf16 copy, then packed
+                self.dirs[layout], 2, 4096, self.device, int4_reads="bf16"
+            )
             self.results["layouts"][layout] = {
                 "weight_bytes": weight_bytes,
                 "floor_ms": weight_bytes / (self.results["hbm_gbps"] * 1e9) * 1e3,
                 "verify_ms": measure_engine.verify_step_ms(engine),
                 "draft_ms": draft_ms,
             }
-            if layout != "bf16":  # the default reads the bf16 copy; the W4A16 kernel too
+            if layout != "bf16":  # the W4A16 kernel (the services' default reads)
                 del engine
                 gc.collect()
                 empty_cache()
@@ -145,6 +148,7 @@ class Suite:
         from launcher.service_processes import start_service
 
         layout = self.args.e2e_layout
+        self.results["e2e_int4_reads"] = self.args.e2e_int4_reads
         common = ["--device", self.device, "--max-sessions", "16", "--max-context-tokens", "8704"]
         target = start_service(
             [
@@ -153,6 +157,8 @@ class Suite:
                 str(self.dirs[layout]),
                 "--drafter-model",
                 str(self.dirs["drafter"]),
+                "--int4-reads",
+                self.args.e2e_int4_reads,
                 *common,
             ]
         )
@@ -315,7 +321,9 @@ class Suite:
 
         layout = self.args.e2e_layout
         taps = tuple(self.drafter_config["dflash_config"]["target_layer_ids"])
-        engine = measure_engine.build_target(self.dirs[layout], 2, 2048, self.device, taps)
+        engine = measure_engine.build_target(
+            self.dirs[layout], 2, 2048, self.device, taps, int4_reads=self.args.e2e_int4_reads
+        )
         drafter_engine = measure_engine.build_drafter(
             self.dirs["drafter"], self.dirs[layout], 2, 2048, self.device
         )
@@ -419,6 +427,13 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--e2e-layout", default="int4_mlp", choices=LAYOUTS)
+    parser.add_argument(
+        "--e2e-int4-reads",
+        default=INT4_READS[0],
+        choices=INT4_READS,
+        help="what the target's GPU kernels read for 4-bit layers in the e2e and in_process "
+        "sections (default: the service's, %(default)s)",
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
         "--concurrency-rounds",
