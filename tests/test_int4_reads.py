@@ -1,4 +1,4 @@
-"""What the row kernel reads for a 4-bit layer: its bf16 copy (default) or the packed bits.
+"""What the row kernel reads for a 4-bit layer: the packed bits (default) or its bf16 copy.
 
 Both must give the reference product: the bf16 copy (which reads no repacked tensors at all)
 that of the bf16-rounded weight, the packed bits (`w4a16_matmul`) that of the exact fp32
@@ -49,9 +49,11 @@ def test_both_reads_give_the_dequantized_product(reads):
     torch.testing.assert_close(y.float(), reference, rtol=2**-8, atol=2**-10 * scale)
 
 
-def test_the_bf16_copy_is_the_default_and_others_are_refused():
+def test_the_packed_bits_are_the_default_and_others_are_refused():
     layer = int4_layer()
     layer.use_row_kernel(16)
+    assert isinstance(layer.kernel_weight(), PlanarInt4)
+    layer.use_row_kernel(16, "bf16")
     assert layer.kernel_weight() is layer.weight
     with pytest.raises(ValueError, match="reads must be one of"):
         layer.use_row_kernel(16, "fp8")
@@ -59,9 +61,9 @@ def test_the_bf16_copy_is_the_default_and_others_are_refused():
 
 def test_the_flag_reaches_the_target_config():
     parser = build_parser()
-    assert parser.parse_args(["target", "--model", "m"]).int4_reads == "bf16"
-    assert parser.parse_args(["target", "--model", "m", "--int4-reads", "int4"]).int4_reads == (
-        "int4"
+    assert parser.parse_args(["target", "--model", "m"]).int4_reads == "int4"
+    assert parser.parse_args(["target", "--model", "m", "--int4-reads", "bf16"]).int4_reads == (
+        "bf16"
     )
     with pytest.raises(SystemExit):
         parser.parse_args(["target", "--model", "m", "--int4-reads", "fp8"])

@@ -1,14 +1,20 @@
 """What the GPU row kernel reads for a 4-bit layer on verify and decode (no torch import here:
 the launcher and the service config name the choices before any model loads).
 
-"bf16": the dequantized weight the layer keeps for prefill anyway (no second copy), through
-`row_matmul`; "int4": the packed 4 bits through `w4a16_matmul` (repacked once, more memory).
+"int4" (the default): the packed 4 bits through `w4a16_matmul`, repacked once at load (the
+packed copy costs 0.5 bytes a weight more, beside the bf16 copy that prefill reads);
+"bf16": the dequantized weight the layer keeps for prefill anyway, through `row_matmul`.
 They round differently (the bf16 copy rounds each (q - z) * s to bf16; the W4A16 kernel
-scales exact fp32 group sums), so their outputs differ in the low bits; each is exact in
-the sense that matters, rows independent of the batch. bf16 is the default because it was
-measured and the W4A16 kernel's verify step was not yet (H200, 2026-12-01,
-`bench.tune_w4a16`): per 16-row matmul the W4A16 kernel takes 1.3-1.7x less time, but at
-128 rows (8 verify blocks) more for gate+up, down and the output projections.
+scales exact fp32 group sums), so their outputs differ in the low bits; each is exact in the
+sense that matters, rows independent of the batch.
+
+Why "int4" is the default (H200, 2026-12-04): replaying the verify graph (one machine, old
+and new alternated), one verify block takes 2.75 against 3.81 ms with every large linear
+4-bit and 3.37 against 3.95 ms with 4-bit MLPs, while 8 blocks take 6.43 against 5.79 ms
+(every large linear 4-bit). Single-stream latency, which the AdaptFM workload measures, gains
+more than an 8-stream batch loses; a deployment that serves mostly full batches may prefer
+`--int4-reads bf16`. Through the services, in one command: the AdaptFM workload 147 / 365 /
+589 against 192 / 476 / 693 ms (bench/results/int4-reads-e2e-2026-12-04-nvidia-h200.json).
 """
 
-INT4_READS = ("bf16", "int4")
+INT4_READS = ("int4", "bf16")
