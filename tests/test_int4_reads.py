@@ -14,7 +14,7 @@ from dflash_serve.checkpoint.int4_formats import AWQ_GEMM, PackedInt4Weight, pac
 from dflash_serve.errors import ConfigError
 from dflash_serve.kernels.row_matmul import row_matmul_reference
 from dflash_serve.kernels.w4a16_matmul import PlanarInt4
-from dflash_serve.layers.linear import Int4Linear
+from dflash_serve.layers.linear import Int4Linear, RowKernelGroup
 from launcher.main import build_parser
 from target_service.config import TargetServiceConfig
 
@@ -25,9 +25,9 @@ N, K, GROUP = 40, 320, 32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def int4_layer() -> Int4Linear:
-    weight = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * 0.05
-    packed = PackedInt4Weight(AWQ_GEMM, N, K, GROUP, pack_awq_gemm(weight, GROUP))
+def int4_layer(n: int = N, seed: int = 3) -> Int4Linear:
+    weight = torch.randn(n, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+    packed = PackedInt4Weight(AWQ_GEMM, n, K, GROUP, pack_awq_gemm(weight, GROUP))
     return Int4Linear(packed, torch.bfloat16).to(DEVICE)
 
 
@@ -69,3 +69,29 @@ def test_the_flag_reaches_the_target_config():
         parser.parse_args(["target", "--model", "m", "--int4-reads", "fp8"])
     with pytest.raises(ConfigError, match="int4_reads"):
         TargetServiceConfig(model="m", int4_reads="fp8").validate()
+
+
+def test_a_group_keeps_one_packed_copy_and_its_members_refuse_the_kernel_alone():
+    """Stacked 4-bit members free their own repacked copies (a second copy of every weight
+    otherwise); the group's outputs are each member's product, and a member called alone on
+    the kernel path says where its weight went instead of reading something else."""
+    first, second = int4_layer(), int4_layer(n=24, seed=5)
+    for layer in (first, second):
+        layer.use_row_kernel(16, "int4")
+    alone = [layer.kernel_weight() for layer in (first, second)]
+    group = RowKernelGroup([first, second])
+    assert first.repacked is None and second.repacked is None
+    ((_indices, stacked, _sizes),) = group.calls
+    assert torch.equal(stacked.words, torch.cat([w.words for w in alone], dim=1))
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(6)).bfloat16().to(DEVICE)
+    with torch.inference_mode():
+        outputs = group(x)
+        for layer, out in zip((first, second), outputs, strict=True):
+            reference = row_matmul_reference(x, layer.packed.dequantize(torch.float32).to(DEVICE))
+            scale = reference.abs().max().item()
+            torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=2**-10 * scale)
+        with pytest.raises(RuntimeError, match="RowKernelGroup"):
+            first(x)
+        assert first(torch.zeros(17, K, dtype=torch.bfloat16, device=DEVICE)).shape == (17, N)
+    first.use_row_kernel(16, "int4")  # set up again: it reads its own copy
+    assert isinstance(first.kernel_weight(), PlanarInt4)

@@ -117,11 +117,13 @@ class Int4Linear(RowIndependentLinear):
         self.packed = packed
         self.register_buffer("weight", packed.dequantize(compute_dtype), persistent=False)
         self.repacked = None
+        self.read_by_group = False  # its repacked copy handed to a RowKernelGroup's stack
 
     def use_row_kernel(self, max_rows: int, reads: str = INT4_READS[0]) -> None:
         if reads not in INT4_READS:
             raise ValueError(f"reads must be one of {INT4_READS}, got {reads!r}")
         self.repacked = None
+        self.read_by_group = False
         if reads == "int4":
             from dflash_serve.kernels.w4a16_matmul import repack_planar
 
@@ -131,7 +133,19 @@ class Int4Linear(RowIndependentLinear):
         self.max_kernel_rows = max_rows
 
     def kernel_weight(self):
+        if self.read_by_group:
+            raise RuntimeError(
+                "this 4-bit layer's packed weight lives in its RowKernelGroup's stacked "
+                "matmul: call the group (or use_row_kernel again to read it alone)"
+            )
         return self.weight if self.repacked is None else self.repacked
+
+    def hand_repacked_to_group(self) -> None:
+        """Free the repacked copy once a RowKernelGroup has stacked it: the group computes
+        every call that fits the kernel (and a call alone would split K by its own shape,
+        with other bits), so the copy would only hold memory."""
+        self.repacked = None
+        self.read_by_group = True
 
 
 def stack_dense_weights(linears: list[RowIndependentLinear]) -> torch.Tensor:
@@ -150,9 +164,10 @@ class RowKernelGroup:
 
     One launch instead of several, and a wider N that keeps the GPU busier. Dense members
     become views of the stacked weight (no second copy; a 4-bit layer reading its bf16 copy
-    counts as dense, and that copy becomes a parameter); 4-bit members read packed keep their
-    own repacked tensors for calls made through them alone. Only the kernel path uses the group:
-    calls above the members' row limit go through each linear as before.
+    counts as dense, and that copy becomes a parameter); 4-bit members read packed hand their
+    repacked tensors over (`Int4Linear.hand_repacked_to_group`: freed once stacked). Only the
+    kernel path uses the group: calls above the members' row limit go through each linear's
+    bf16 weight as before.
     """
 
     def __init__(self, linears: list[RowIndependentLinear]) -> None:
@@ -171,6 +186,8 @@ class RowKernelGroup:
             sizes = [linear.out_features for linear in members]
             if isinstance(members[0].kernel_weight(), PlanarInt4):
                 stacked = concat_planar([linear.kernel_weight() for linear in members])
+                for linear in members:
+                    linear.hand_repacked_to_group()
             else:
                 stacked = stack_dense_weights(members)
             self.calls.append((indices, stacked, sizes))
