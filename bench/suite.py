@@ -15,6 +15,7 @@ import asyncio
 import gc
 import json
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -442,6 +443,11 @@ def main() -> None:
         help="measured rounds per stream count (after one unmeasured); the median is reported",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep the random checkpoints (a temporary directory) after the run",
+    )
     parser.add_argument("--commit", help="commit id to record (default: git rev-parse)")
     parser.add_argument(
         "--merge-into",
@@ -466,15 +472,21 @@ def main() -> None:
         args.layouts.insert(0, "bf16")
     logging.basicConfig(level=logging.WARNING)
     suite = Suite(args)
-    suite.section("checkpoints", suite.checkpoints)
-    for name, fn in (
-        ("layouts", suite.layouts),
-        ("transformers", suite.transformers_peer),
-        ("e2e", suite.end_to_end),
-        ("in_process", suite.in_process),
-    ):
-        if name not in args.skip:
-            suite.section(name, fn)
+    try:
+        suite.section("checkpoints", suite.checkpoints)
+        for name, fn in (
+            ("layouts", suite.layouts),
+            ("transformers", suite.transformers_peer),
+            ("e2e", suite.end_to_end),
+            ("in_process", suite.in_process),
+        ):
+            if name not in args.skip:
+                suite.section(name, fn)
+    finally:  # 4B checkpoints of several GB each: runs left behind filled a GPU machine's disk
+        if args.keep_checkpoints:
+            progress(f"checkpoints kept in {suite.workdir}")
+        else:
+            shutil.rmtree(suite.workdir, ignore_errors=True)
     for path in write_results(suite.results, args.out_dir):
         progress(f"wrote {path}")
 

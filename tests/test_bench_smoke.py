@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 
 def test_suite_smoke_run_writes_the_results_schema(tmp_path):
+    temp = tmp_path / "temp"  # where the suite writes its checkpoints
+    temp.mkdir()
     completed = subprocess.run(
         [
             sys.executable,
@@ -25,8 +28,10 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
         text=True,
         timeout=600,
         check=False,
+        env=os.environ | {"TMPDIR": str(temp)},
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert not list(temp.glob("dflash-bench-*"))  # its checkpoints are removed after the run
     results = json.loads((tmp_path / "latest.json").read_text())
     assert results["errors"] == {}
     for key in (
