@@ -334,8 +334,14 @@ def as_split_sums(inputs, seed, splits=5):
     return inputs | split, inputs | summed
 
 
-@pytest.mark.parametrize("fn", [prepare_gdn_inputs, prepare_gdn_inputs_reference])
-def test_split_k_gates_give_the_summed_gates_bits(fn):
+@pytest.mark.parametrize(
+    ("fn", "prefill"),
+    [
+        (prepare_gdn_inputs, prepare_gdn_prefill_inputs),
+        (prepare_gdn_inputs_reference, prepare_gdn_prefill_inputs_reference),
+    ],
+)
+def test_split_k_gates_give_the_summed_gates_bits(fn, prefill):
     """a and b left as their matmul's partial sums: every output and record bit for bit
     those of the same call on the sums (`SplitSums.total`: split order, one rounding to
     bf16), in the verify and the prefill variant."""
@@ -344,11 +350,6 @@ def test_split_k_gates_give_the_summed_gates_bits(fn):
     from_split, from_summed = run(fn, split), run(fn, summed)
     for name, tensor in from_summed.items():
         assert torch.equal(from_split[name], tensor), name
-    prefill = (
-        prepare_gdn_prefill_inputs
-        if fn is prepare_gdn_inputs
-        else (prepare_gdn_prefill_inputs_reference)
-    )
     for name, tensor in run_prefill(prefill, split).items():
         assert torch.equal(tensor, from_summed[name]), name
 

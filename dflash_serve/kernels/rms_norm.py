@@ -22,7 +22,7 @@ from triton.language.extra import libdevice
 from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import exact_exp, load_summed, round_to, wait_for_inputs
 from dflash_serve.layers import norm_math
-from dflash_serve.layers.split_sums import SplitSums, materialized
+from dflash_serve.layers.split_sums import SplitSums, kernel_operand, materialized
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -188,16 +188,16 @@ def add_rms_norm(
     delta may be a bf16 matmul result left as split-K partial sums (`SplitSums`, x bf16):
     they are summed here, bit for bit `delta.total()`, saving the sum's own launch."""
     _check_input(x, weight)
-    splits, delta_shape, delta_dtype = 0, tuple(delta.shape), torch.bfloat16
+    delta_shape, delta_dtype = tuple(delta.shape), delta.dtype  # (SplitSums: the result's)
     if isinstance(delta, SplitSums):
-        splits, partials = delta.partials.shape[0], delta.partials
+        partials = delta.partials
         if partials.dtype != torch.float32 or not partials.is_contiguous():
             raise ValueError("delta: split-K partial sums must be contiguous fp32")
         if partials[0].numel() != x.numel() or partials.device != x.device:
             raise ValueError(f"delta: partial sums {tuple(partials.shape)} for x {tuple(x.shape)}")
-        delta = partials
     else:
-        delta_dtype, delta = delta.dtype, delta.contiguous()
+        delta = delta.contiguous()
+    delta, split_stride, splits = kernel_operand(delta)
     if delta_shape != tuple(x.shape) or delta_dtype != x.dtype or delta.device != x.device:
         expected = f"{x.dtype} {tuple(x.shape)} on {x.device}"
         raise ValueError(f"delta must be {expected}, got {delta_dtype} {delta_shape}")
@@ -208,7 +208,7 @@ def add_rms_norm(
     dim = x.shape[-1]
     block = triton.next_power_of_2(dim)
     _add_rms_norm_kernel[(x.numel() // dim,)](
-        x.contiguous(), delta, weight, total, out, eps, x.numel(),
+        x.contiguous(), delta, weight, total, out, eps, split_stride,
         D=dim, BLOCK=block, ZERO_CENTRED=zero_centred, DELTA_SPLITS=splits,
         INTERPRETED=is_interpreting(), num_warps=_num_warps(block), **launch_options(),
     )  # fmt: skip
