@@ -11,11 +11,15 @@ writing the servicer and the client, over TCP loopback and a Unix socket:
 - client `sequential`: `await call.write()` then `await call.read()` (our clients);
   `overlapped`: the read is awaited while the write completes.
 
+Both processes run with the GRPC_EXPERIMENTS of the environment, ours unless it sets one
+(`dflash_serve/grpc_core_experiments.py`; `GRPC_EXPERIMENTS=` for grpc's defaults), and the
+result records it.
+
 The gap between these round trips and what `bench.trace_step` shows inside the services is
 the servicers', batchers' and engines' share.
 
-A last section pauses 5 ms between round trips, as a speculative step does (each side idles
-while the other computes), with each side asleep in its event loop or polling it.
+A last section pauses 0, 2 or 5 ms between round trips, as a speculative step does (each
+side idles while the other computes), with each side asleep in its event loop or polling it.
 
     python -m bench.grpc_latency [--seconds 2] [--out FILE]
 """
@@ -185,7 +189,7 @@ def start_server(style: str, address: str) -> tuple[subprocess.Popen, str]:
 def idle_gaps(socket_dir: Path, seconds: float, results: dict) -> None:
     """One stream with a pause between round trips, as a speculative step has (each side
     idles while the other computes): asleep in the loop, or polling it (spin)."""
-    for gap_ms in (0.0, 5.0):
+    for gap_ms in (0.0, 2.0, 5.0):
         process, address = start_server("generator", "127.0.0.1:0")
         try:
             case = {"transport": "tcp", "server": "generator", "gap_ms": gap_ms}

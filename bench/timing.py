@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -72,6 +73,7 @@ def run_facts(command: str) -> dict:
         "command": command,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
+        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS"),
     }
 
 

@@ -4,4 +4,9 @@ Layers, checkpoint loading, sampling and the speculative step loop live here so 
 service copies code from another and no service imports another.
 """
 
+from dflash_serve.grpc_core_experiments import choose_grpc_core_experiments
+
 __version__ = "0.1.0"
+
+# Before anything imports grpc, which reads it once (see grpc_core_experiments).
+choose_grpc_core_experiments()

@@ -7,12 +7,18 @@ import os
 import pytest
 import torch
 
+from dflash_serve.grpc_core_experiments import choose_grpc_core_experiments
+
 # Without a GPU the Triton kernels run in Triton's interpreter; it is chosen when a kernel is
 # defined (at import), so it must be set before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_checkpoints import write_causal_lm, write_conditional_generation
+
+# The tests' own gRPC servers and clients run with the services' choice of grpc core
+# experiments; grpc reads it once, when first imported (by a test module, after this).
+choose_grpc_core_experiments()
 
 
 @pytest.fixture(scope="session")
