@@ -118,7 +118,7 @@ def launch_every_variant() -> None:
         x = torch.empty(16, k, dtype=torch.bfloat16)  # never touched: nothing runs
         row_matmul(x, torch.empty(n, k, dtype=torch.bfloat16), config=MatmulConfig(**tuned))
     # W4A16: each group size's planes-per-group path, a ragged K, 16/32/64-row tiles, split-K
-    # 1 and > 1, then every tuned configuration.
+    # 1 and > 1, programs of 32 outputs, then every tuned configuration.
     for shape in w4a16_tests.SHAPES:
         weight, _, config = w4a16_tests.planar_case("awq", shape)
         x = w4a16_tests.random_rows(20, shape[1], seed=0)
@@ -128,6 +128,9 @@ def launch_every_variant() -> None:
     for block_m, tiles_per_split in itertools.product((16, 32, 64), (5, 2)):
         config = W4A16Config.over_splits(weight.num_tiles, tiles_per_split, block_n=64,
                                          block_m=block_m)  # fmt: skip
+        w4a16_matmul(x, weight, config=config)
+    for block_m in (16, 64):  # 32 outputs a program (mma.sync): a tuner candidate
+        config = W4A16Config.over_splits(weight.num_tiles, 5, block_n=32, block_m=block_m)
         w4a16_matmul(x, weight, config=config)
     for key, launches in tuned_launches().items():  # each row bucket's launch
         n, k = (int(size) for size in key.split(":")[0].split("x"))

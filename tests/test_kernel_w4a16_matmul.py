@@ -119,11 +119,12 @@ def assert_rows_independent(x: torch.Tensor, weight, config: W4A16Config) -> Non
 
 
 @pytest.mark.parametrize("kind", ["awq", "ct_asymmetric"])
+@pytest.mark.parametrize("block_n", [32, 64])  # 32: mma.sync on the GPU, 64: wgmma
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[6]])
-def test_rows_independent(kind, block_m, shape):
+def test_rows_independent(kind, block_n, block_m, shape):
     weight, _, config = planar_case(kind, shape)
-    config = dataclasses.replace(config, block_m=block_m)
+    config = dataclasses.replace(config, block_n=block_n, block_m=block_m)
     x = random_rows(37, shape[1], seed=2)
     assert_close_to_reference(w4a16_matmul(x, weight, config=config), x, weight)
     assert_rows_independent(x, weight, config)

@@ -53,9 +53,11 @@ def test_every_kernel_compiles_for_sm90():
     # operands, then every tuned configuration
     assert len(row_matmul_variants) == 20 + len(tuned_configs())
     w4a16_variants = [line for line in result.stdout.splitlines() if "_w4a16_kernel" in line]
-    # the test shapes, 16/32/64-row tiles × two splits, then every tuned configuration
+    # the test shapes, 16/32/64-row tiles × two splits, 32-wide programs of 16 and 64 rows,
+    # then every tuned configuration
     tuned = sum(len(launches) for launches in w4a16_tuned_launches().values())
-    assert len(w4a16_variants) == len(W4A16_SHAPES) + 6 + tuned
+    assert len(w4a16_variants) == len(W4A16_SHAPES) + 6 + 2 + tuned
+    assert sum("'BLOCK_N': 32," in line for line in w4a16_variants) >= 2
 
 
 def test_a_kernel_the_gpu_compiler_rejects_fails_the_check():
