@@ -60,11 +60,13 @@ BYTES_ROTATED = 256 * 1024**2
 # (warps, stages). Two stages: 41 instead of 66 KB of shared memory a 32-row program, which
 # limited the 2026-12-01 winners to 3 programs an SM (ncu, 2026-12-02).
 SCHEDULES = ((4, 2), (4, 3), (4, 4), (8, 3))
-# Outputs a program. 32 (since 2026-12-05, not yet timed): twice 64's programs at 16 rows,
-# where the 2026-12-02 ncu found 2.1 warps per scheduler waiting on memory with nothing else
-# to run, in 9 instead of 17 KB of shared memory at 3 stages (compiled for sm_90 here).
-# Triton builds it from mma.sync, not wgmma (which needs 64), so its sums may round
-# differently: `choose` takes only a pair of launches whose rows are checked independent.
+# Outputs a program. 32 (since 2026-12-05; in that day's H200 sweep never in a shape's top
+# 8, bench/results/tune-w4a16-block-n-32-2026-12-05-nvidia-h200.json): twice 64's programs
+# at 16 rows, where the 2026-12-02 ncu found 2.1 warps per scheduler waiting on memory with
+# nothing else to run, in 9 instead of 17 KB of shared memory at 3 stages (compiled for
+# sm_90 here). Triton builds it from mma.sync, not wgmma (which needs 64), so its sums may
+# round differently: `choose` takes only a pair of launches whose rows are checked
+# independent.
 BLOCK_NS = (32, 64, 128)
 
 

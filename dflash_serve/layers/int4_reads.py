@@ -14,7 +14,9 @@ and new alternated), one verify block takes 2.75 against 3.81 ms with every larg
 (every large linear 4-bit). Single-stream latency, which the AdaptFM workload measures, gains
 more than an 8-stream batch loses; a deployment that serves mostly full batches may prefer
 `--int4-reads bf16`. Through the services, in one command: the AdaptFM workload 147 / 365 /
-589 against 192 / 476 / 693 ms (bench/results/int4-reads-e2e-2026-12-04-nvidia-h200.json).
+589 against 192 / 476 / 693 ms (bench/results/int4-reads-e2e-2026-12-04-nvidia-h200.json);
+bf16 first on 2026-12-05, 137 / 349 / 582 against 154 / 362 / 593 ms and 8 streams 2369
+against 2289 tok/s (int4-reads-e2e-2026-12-05-nvidia-h200.json).
 """
 
 INT4_READS = ("int4", "bf16")
