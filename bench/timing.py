@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import statistics
 import subprocess
@@ -74,7 +75,18 @@ def run_facts(command: str) -> dict:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS"),
+        "fla_core": installed_version("fla-core"),
     }
+
+
+def installed_version(distribution: str) -> str | None:
+    """A package's installed version, None where it is absent: fla-core decides whether a
+    GPU prefill runs the GDN rule in chunks or token by token (2× slower at 8192 tokens), so
+    every record says which it measured."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def empty_cache() -> None:

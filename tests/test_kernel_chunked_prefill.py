@@ -8,12 +8,17 @@ pool, the head mapping, and that other slots stay untouched.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
 import torch
 
-from target_service.kernels.chunked_prefill import chunked_prefill, load_chunk_rule
+from target_service.kernels.chunked_prefill import (
+    chunked_prefill,
+    load_chunk_rule,
+    warn_token_by_token_prefill,
+)
 from tests.test_kernel_gated_delta_recurrence import NUM_SLOTS, make_inputs, naive_recurrence
 
 
@@ -40,11 +45,17 @@ def test_seam_reads_and_writes_only_its_slots():
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_without_fla_core_there_is_no_chunk_rule(monkeypatch):
+def test_without_fla_core_there_is_no_chunk_rule_and_one_warning(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "fla", None)  # `import fla...` raises ImportError
     monkeypatch.setitem(sys.modules, "fla.ops", None)
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)
-    assert load_chunk_rule() is None
+    warn_token_by_token_prefill.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="target_service.kernels.chunked_prefill"):
+        assert load_chunk_rule() is None
+        assert load_chunk_rule() is None  # a second GDN layer asks again
+    warnings = [r.getMessage() for r in caplog.records if "fla-core" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "token by token" in warnings[0] and "dflash-serve[gpu]" in warnings[0]
 
 
 @pytest.mark.gpu
