@@ -17,6 +17,7 @@ from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
 from dflash_serve.speculative.types import SamplingParams
 from drafter_service.engine import DrafterEngine
+from target_service.config import DEFAULT_PREFILL_GRAPH_TOKENS
 from target_service.engine import TargetEngine
 from target_service.model.state import StateShape
 from target_service.session import InProcessTarget
@@ -174,19 +175,27 @@ def build_target(
     taps=(),
     fast_path: bool = True,
     int4_reads: str = INT4_READS[0],
+    prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS,
 ) -> TargetEngine:
-    """As the target service builds it: on a GPU, Triton kernels and verify graphs for
-    batches of 1..max_slots (unless `fast_path` is off: the plain-torch reference path);
-    `int4_reads` as the service's --int4-reads."""
+    """As the target service builds it: on a GPU, Triton kernels, verify graphs for
+    batches of 1..max_slots and prefill graphs (unless `fast_path` is off: the plain-torch
+    reference path); `int4_reads` and `prefill_graph_tokens` as the service's flags."""
     from target_service.model.loader import load_target_model
 
     model = load_target_model(model_dir, torch.bfloat16, device)
-    graph_batch_sizes = ()
+    graph_batch_sizes, prefill_run_tokens = (), ()
     if fast_path and device.startswith("cuda"):
         model.use_gpu_kernels(max_slots * BLOCK, int4_reads)
         graph_batch_sizes = tuple(range(1, max_slots + 1))
+        prefill_run_tokens = prefill_graph_tokens
     shape = StateShape(max_slots, max_len)
-    return TargetEngine(model, shape, taps, graph_batch_sizes=graph_batch_sizes)
+    return TargetEngine(
+        model,
+        shape,
+        taps,
+        graph_batch_sizes=graph_batch_sizes,
+        prefill_run_tokens=prefill_run_tokens,
+    )
 
 
 def build_drafter(

@@ -1,7 +1,9 @@
 """Prefill time of the 4B-shaped target at several prompt lengths (TTFT's main part), on the
-plain-torch path and on the kernel path, with the gap between their last logits. Where fla-core
-is installed the kernel path's GDN prefill is its chunked rule, and the token-by-token kernel
-is timed as a third path (`kernels_token_loop`).
+plain-torch path and on the kernel path, with the gap between their last logits. The kernel
+path is the service's: prompts up to 2,048 tokens replay a prefill graph; `kernels_eager`
+runs them as eager forwards (`--prefill-graph-tokens ''`). Where fla-core is installed the
+kernel path's GDN prefill is its chunked rule, and the token-by-token kernel is timed as
+another path, eager (`kernels_token_loop`: graphs captured with fla-core would keep it).
 
 python -m bench.prefill --out bench/results/prefill-h200.json [--lengths 64 2048 8192]
     [--paths kernels] [--profile]   (--profile: where one kernel-path prefill's time goes)
@@ -19,10 +21,11 @@ from pathlib import Path
 from bench.measure_engine import build_target
 from bench.timing import median_ms, run_facts
 from dflash_serve.checkpoint.synthetic import QWEN35_4B_TEXT, write_target
+from target_service.config import DEFAULT_PREFILL_GRAPH_TOKENS
 from target_service.model.gated_deltanet import GatedDeltaNet
 
 LENGTHS = (64, 2048, 8192)
-PATHS = ("plain", "kernels", "kernels_token_loop")
+PATHS = ("plain", "kernels", "kernels_eager", "kernels_token_loop")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
 
 
@@ -42,7 +45,13 @@ def main() -> None:
     prompts = {n: [(i * 7919) % 240000 for i in range(n)] for n in args.lengths}
     last_logits = {}
     for path in args.paths:
-        engine = build_target(model_dir, 1, max(args.lengths) + 16, fast_path=path != "plain")
+        engine = build_target(
+            model_dir,
+            1,
+            max(args.lengths) + 16,
+            fast_path=path != "plain",
+            prefill_graph_tokens=DEFAULT_PREFILL_GRAPH_TOKENS if path == "kernels" else (),
+        )
         layers = [m for m in engine.model.modules() if isinstance(m, GatedDeltaNet)]
         if path == "kernels":
             rule = layers[0].chunk_rule
@@ -77,7 +86,7 @@ def main() -> None:
             for n in args.lengths
         }
 
-    gap_names = {"kernels": "kernels", "kernels_token_loop": "token_loop"}
+    gap_names = {"kernels": "kernels", "kernels_eager": "eager", "kernels_token_loop": "token_loop"}
     for path, name in gap_names.items():
         if {("plain", args.lengths[0]), (path, args.lengths[0])} <= last_logits.keys():
             results[f"max_logit_gap_{name}_vs_plain"] = gaps_to_plain(path)

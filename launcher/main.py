@@ -10,7 +10,7 @@ import sys
 from dflash_serve.errors import DflashError
 from dflash_serve.layers.int4_reads import INT4_READS
 from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US, DTYPE_CHOICES
-from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS
+from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS, DEFAULT_PREFILL_GRAPH_TOKENS
 
 
 def parse_ids(text: str) -> tuple[int, ...]:
@@ -145,12 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
     taps.add_argument("--drafter-model", help="read the tap layers from this drafter's config")
     target.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK_TOKENS)
     target.add_argument(
+        "--prefill-graph-tokens",
+        type=parse_ids,
+        default=DEFAULT_PREFILL_GRAPH_TOKENS,
+        help="GPU fast path: prompts up to the longest of these lengths are prefilled from a "
+        "CUDA graph of the next one, padded ('' turns them off; default "
+        + ",".join(map(str, DEFAULT_PREFILL_GRAPH_TOKENS))
+        + ")",
+    )
+    target.add_argument(
         "--int4-reads",
         choices=INT4_READS,
         default=INT4_READS[0],
-        help="GPU verify/decode of 4-bit layers: read their dequantized bf16 copy (the default) "
-        "or the packed 4 bits through the W4A16 kernel (faster for one verify block on the "
-        "H200, slower for 8; see README)",
+        help="GPU verify/decode of 4-bit layers: read the packed 4 bits through the W4A16 "
+        "kernel (the default: faster for one verify block on the H200, slower for 8 in the "
+        "graph replays) or their dequantized bf16 copy; see README",
     )
     add_service_flags(target, 50051)
 
@@ -216,6 +225,7 @@ def run_target(args: argparse.Namespace) -> None:
         model=args.model,
         tap_layer_ids=tuple(taps),
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        prefill_graph_tokens=args.prefill_graph_tokens,
         int4_reads=args.int4_reads,
         service=service_settings(args),
     )

@@ -15,6 +15,10 @@ from dflash_serve.service_settings import ServiceSettings
 # for ~1.3 GB of activations instead of ~0.35 GB (H200, same-process A/B; README "GPU fast
 # path"). On a CPU a smaller chunk bounds activation memory for long prompts.
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
+# Prompts up to 2,048 tokens are prefilled from CUDA graphs of these lengths, padded to the
+# next one (target_service/prefill_graphs.py): at most twice the prompt below 512 tokens,
+# where reading the weights rather than the padding's work sets the time; 1.5× above.
+DEFAULT_PREFILL_GRAPH_TOKENS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class TargetServiceConfig:
     model: str
     tap_layer_ids: tuple[int, ...] = ()
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS  # GPU fast path only
     int4_reads: str = INT4_READS[0]  # what the GPU kernels read for 4-bit layers
     service: ServiceSettings = field(default_factory=ServiceSettings)
 
@@ -29,5 +34,9 @@ class TargetServiceConfig:
         self.service.validate("target")
         if self.prefill_chunk_tokens < 1:
             raise ConfigError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if any(tokens < 1 for tokens in self.prefill_graph_tokens):
+            raise ConfigError(
+                f"prefill_graph_tokens must all be >= 1, got {self.prefill_graph_tokens}"
+            )
         if self.int4_reads not in INT4_READS:
             raise ConfigError(f"int4_reads must be one of {INT4_READS}, got {self.int4_reads!r}")

@@ -23,12 +23,14 @@ from target_service.model.commit import commit_blocks
 from target_service.model.decoder import Qwen35TextModel
 from target_service.model.forward_batch import ForwardBatch, ints_on_device
 from target_service.model.state import StateShape, TargetState
+from target_service.prefill_graphs import PrefillGraphs, padded_prefill
 from target_service.verify_graphs import VerifyGraphs
 
 # With verify graphs, prompts up to this length are prefilled as 16-token verify blocks (see
 # `prefills_in_blocks`); measured on an H200 (bench.prefill), an eager prefill cost ~60 ms
 # of host time below ~1,000 tokens and a replayed block ~5 ms: break-even ~190 tokens. Since
-# 532a54e an eager 512-token prefill takes 46-56 ms: break-even ~150-180 tokens.
+# 532a54e an eager 512-token prefill takes 46-56 ms: break-even ~150-180 tokens. With prefill
+# graphs (`prefill_run_tokens`) only a prompt of one block is: it may share a verify.
 DEFAULT_BLOCK_PREFILL_MAX_TOKENS = 128
 
 
@@ -57,6 +59,7 @@ class TargetEngine:
         share_features: bool = False,
         graph_batch_sizes: tuple[int, ...] = (),
         block_prefill_max_tokens: int | None = None,
+        prefill_run_tokens: tuple[int, ...] = (),
     ) -> None:
         """share_features: also write taps into a CUDA buffer other processes can map.
 
@@ -64,7 +67,10 @@ class TargetEngine:
         (the model must already run on its GPU kernels, see `use_gpu_kernels`); sizes above
         the slot count are left out. block_prefill_max_tokens: prompts up to this length are
         prefilled as verify blocks (None: DEFAULT_BLOCK_PREFILL_MAX_TOKENS with graphs, where
-        the blocks replay them, else 0: never).
+        the blocks replay them, else 0: never; with prefill graphs one block).
+        prefill_run_tokens: prompts from position 0 up to the longest of these lengths are
+        prefilled padded to the next one (`prefill_graphs`): captured as CUDA graphs where
+        the verify is, else run eagerly; lengths above max_len are left out.
         """
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]
@@ -98,10 +104,19 @@ class TargetEngine:
                     f"for {most_rows} rows; call model.use_gpu_kernels({most_rows}) first"
                 )
             self.graphs = VerifyGraphs(model, self.state, self.tap_layer_ids, graph_batch_sizes)
-        if block_prefill_max_tokens is None:
-            block_prefill_max_tokens = (
-                0 if self.graphs is None else DEFAULT_BLOCK_PREFILL_MAX_TOKENS
+        self.prefill_run_tokens = tuple(sorted(t for t in prefill_run_tokens if t <= shape.max_len))
+        self.prefill_graphs: PrefillGraphs | None = None
+        if self.graphs is not None and self.prefill_run_tokens:
+            self.prefill_graphs = PrefillGraphs(
+                model, self.state, self.tap_layer_ids, self.prefill_run_tokens
             )
+        if block_prefill_max_tokens is None:
+            if self.graphs is None:
+                block_prefill_max_tokens = 0
+            elif self.prefill_graphs is not None:
+                block_prefill_max_tokens = shape.max_block_tokens
+            else:
+                block_prefill_max_tokens = DEFAULT_BLOCK_PREFILL_MAX_TOKENS
         self.block_prefill_max_tokens = block_prefill_max_tokens
 
     def warm_up(self, max_batch_size: int = 2) -> None:
@@ -124,10 +139,10 @@ class TargetEngine:
             self.commit_many(slots, [1] * count)
             self.verify(slots[:1], [block])
             self.commit(slots[0], 1)
-            longest_block_prefill = self.block_prefill_max_tokens + 1
-            if longest_block_prefill <= shape.max_len:  # from position 0, as a request's
+            shortest_chunked = max(self.block_prefill_max_tokens, *self.prefill_run_tokens, 0) + 1
+            if shortest_chunked <= shape.max_len:  # from position 0, as a request's
                 self.state.reset_slot(slots[0])
-                self.prefill(slots[0], [0] * longest_block_prefill)
+                self.prefill(slots[0], [0] * shortest_chunked)
         finally:
             for slot in reversed(slots):  # the allocator hands out the lowest free slot first
                 self.state.reset_slot(slot)
@@ -179,10 +194,35 @@ class TargetEngine:
         try:
             if self.prefills_in_blocks(len(prompt_ids)):
                 return self._prefill_in_blocks(slot, prompt_ids)
+            run_tokens = self.prefill_run_length(slot, len(prompt_ids))
+            if run_tokens is not None:
+                return self._prefill_padded(slot, prompt_ids, run_tokens)
             return self._prefill_in_chunks(slot, prompt_ids)
         except Exception:
             self.reset_sequence(slot)
             raise
+
+    def prefill_run_length(self, slot: int, num_tokens: int) -> int | None:
+        """The padded length a prompt of `num_tokens` runs at on this slot, or None (eager
+        chunks): the shortest of `prefill_run_tokens` that holds it, from position 0 only."""
+        if self.state.lengths[slot] != 0:
+            return None
+        return next((t for t in self.prefill_run_tokens if t >= num_tokens), None)
+
+    def _prefill_padded(self, slot: int, prompt_ids: list[int], run_tokens: int) -> PrefillResult:
+        num_ids = len(prompt_ids)
+        padding = [prompt_ids[-1]] * (run_tokens - num_ids)
+        inputs = torch.tensor([slot, num_ids, *prompt_ids, *padding], dtype=torch.int64)
+        if self.prefill_graphs is not None:
+            last_logits, taps = self.prefill_graphs.replay(inputs)
+        else:
+            inputs = inputs.to(self.device, non_blocking=True)
+            last_logits, taps = padded_prefill(self.model, self.state, self.tap_layer_ids, inputs)
+        if taps is not None:
+            taps = taps[:num_ids]
+            self._share(slot, 0, taps)
+        self.state.lengths[slot] = num_ids
+        return PrefillResult(last_logits, taps)
 
     def _prefill_in_chunks(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
         """Eager forwards of `prefill_chunk_tokens` tokens. Every chunk's token ids, slot and

@@ -46,6 +46,7 @@ class TargetRuntime:
                 config.prefill_chunk_tokens,
                 share_features=service.device.startswith("cuda"),
                 graph_batch_sizes=graph_batch_sizes,
+                prefill_run_tokens=config.prefill_graph_tokens if is_fast else (),
             )
             if is_fast:
                 began = time.perf_counter()

@@ -28,26 +28,12 @@ from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
 from target_service.session import InProcessTarget
 from tests.speculative_harness import generate
-from tests.tiny_checkpoints import write_causal_lm
+from tests.tiny_checkpoints import KERNEL_FRIENDLY, write_causal_lm
 
 pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-# Tiny, but with head sizes the kernels tile (powers of two, dots of 16).
-KERNEL_FRIENDLY = dict(
-    vocab_size=256,
-    eos_token_id=255,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-)
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
 BLOCK = [7, 1, 88, 23, 5, 61, 102, 9, 44, 17, 3, 250, 76, 11, 30, 2]
 MAX_KERNEL_ROWS = 64
@@ -281,9 +267,9 @@ def run_generations(target, prompts, drafters, max_new=40):
     return [tokens for tokens, _, _ in asyncio.run(all_at_once())]
 
 
-def speculative_equals_plain(model, num_sequences, graph_batch_sizes=()):
+def speculative_equals_plain(model, num_sequences, graph_batch_sizes=(), **engine_options):
     """Greedy target-only vs speculative with scripted drafts (every acceptance count)."""
-    engine = new_engine(model, graph_batch_sizes, max_slots=num_sequences)
+    engine = new_engine(model, graph_batch_sizes, max_slots=num_sequences, **engine_options)
     target = InProcessTarget(engine, max_batch_size=num_sequences, max_wait_us=5000)
     vocab = model.config.vocab_size
     prompts = [[(i * 13 + j * 5) % vocab for j in range(6 + 3 * i)] for i in range(num_sequences)]
@@ -374,16 +360,18 @@ def test_short_blocks_run_padded_in_the_16_token_graph_bit_for_bit(kernel_model)
         assert torch.equal(eager_result.taps, graph_result.taps)
 
 
-def count_replays(engine):
-    """The (batch, tokens) keys of the engine's verify-graph replays from now on."""
+def count_replays(engine, graphs=None):
+    """The keys of the engine's verify-graph replays from now on ((batch, tokens)), or of
+    `graphs`' replays."""
+    graphs = engine.graphs.graphs if graphs is None else graphs
     keys = []
-    replay = engine.graphs.graphs.replay
+    replay = graphs.replay
 
     def counting(key, *inputs):
         keys.append(key)
         return replay(key, *inputs)
 
-    engine.graphs.graphs.replay = counting
+    graphs.replay = counting
     return keys
 
 
@@ -418,6 +406,35 @@ def test_short_prompts_prefill_as_graph_verify_blocks(kernel_model):
     plain = eager.prefill(eager.open_sequence(), prompt)
     assert torch.equal(chunked.last_logits, plain.last_logits)
     assert torch.equal(chunked.taps, plain.taps)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_prefill_graphs_replay_the_padded_prefill_bit_for_bit(kernel_model):
+    """With verify graphs and run lengths, a prompt from position 0 longer than one block
+    replays the prefill graph of the next run length: bit for bit the same padded forward run
+    eagerly (logits, taps, the states the next tokens read), and decoding after it too
+    (tests/test_prefill_padded.py compares the padded forward with the prompt alone)."""
+    graphed = new_engine(kernel_model, (1,), prefill_run_tokens=(32, 64))
+    eager = new_engine(kernel_model, prefill_run_tokens=(32, 64))
+    assert graphed.block_prefill_max_tokens == 16 and eager.prefill_graphs is None
+    runs = count_replays(graphed, graphed.prefill_graphs.graphs)
+    for prompt, run_tokens in ((PROMPT * 2, 32), (PROMPT * 4, 64)):  # 22 and 44 tokens
+        slot, reference_slot = graphed.open_sequence(), eager.open_sequence()
+        result = graphed.prefill(slot, prompt)
+        expected = eager.prefill(reference_slot, prompt)
+        assert runs[-1] == run_tokens
+        assert torch.equal(result.last_logits, expected.last_logits)
+        assert torch.equal(result.taps, expected.taps)
+        for name in ("recurrent_state", "conv_state"):
+            mine, theirs = getattr(graphed.state, name), getattr(eager.state, name)
+            assert torch.equal(mine[:, slot], theirs[:, reference_slot]), name
+        keys = graphed.state.key_cache[:, slot, : len(prompt)]
+        assert torch.equal(keys, eager.state.key_cache[:, reference_slot, : len(prompt)])
+        assert torch.equal(
+            decode(graphed, slot, BLOCK[:3]), decode(eager, reference_slot, BLOCK[:3])
+        )
+    assert runs == [32, 64]
 
 
 @needs_gpu
@@ -517,11 +534,15 @@ def qwen35_4b_shaped_model(tmp_path, layout, int4_reads):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("layout", "int4_reads"), LAYOUTS_AND_READS)
 def test_qwen35_4b_shaped_speculative_equals_plain(tmp_path, layout, int4_reads):
-    """Graphs at batch 1 and 8, every layout and 4-bit read."""
+    """Graphs at batch 1 and 8, every layout and 4-bit read; prompts of 17..27 tokens from
+    the prefill graph of 32, shorter ones as one verify block (the service's setting)."""
     model = qwen35_4b_shaped_model(tmp_path, layout, int4_reads)
     for num_sequences in (1, 8):
         plain, speculative = speculative_equals_plain(
-            model, num_sequences, graph_batch_sizes=tuple(range(1, num_sequences + 1))
+            model,
+            num_sequences,
+            graph_batch_sizes=tuple(range(1, num_sequences + 1)),
+            prefill_run_tokens=(32, 64),
         )
         assert speculative == plain, (num_sequences, first_differences(plain, speculative))
 

@@ -18,6 +18,20 @@ from transformers import (
 )
 
 TINY_VOCAB = 160
+# Tiny, but with head sizes the kernels tile (powers of two, dots of 16).
+KERNEL_FRIENDLY = dict(
+    vocab_size=256,
+    eos_token_id=255,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 
 
 def tiny_text_fields(

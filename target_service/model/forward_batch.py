@@ -27,6 +27,12 @@ class ForwardBatch:
     tensors were copied into the same buffers (`on_device` builds them once per forward).
     `position_ids` are the tokens' positions computed from them once per forward
     (`with_positions`), for the layers that each need them.
+
+    `valid_tokens` (prefill only) makes rows at and past it padding: a prefill CUDA graph
+    runs one length for prompts up to it. Padding comes after every real token, so causal
+    attention keeps the real rows as they were; the GDN layers give padding no decay and no
+    update (decay and beta 0) and take their conv state from the last real tokens; keys
+    written past the prompt lie beyond its length, masked until overwritten.
     """
 
     slots: tuple[int, ...]
@@ -36,6 +42,7 @@ class ForwardBatch:
     slot_ids: torch.Tensor | None = None  # int64 [B]
     start_ids: torch.Tensor | None = None  # int64 [B]
     position_ids: torch.Tensor | None = None  # int64 [B, T]
+    valid_tokens: torch.Tensor | None = None  # int64 [B]: real rows; the rest are padding
 
     @property
     def batch_size(self) -> int:
@@ -67,3 +74,10 @@ class ForwardBatch:
         """This batch with `positions` computed once (two launches on a GPU), for a forward
         whose attention layers each read them."""
         return replace(self, position_ids=self.positions(device))
+
+    def real_rows(self, device: torch.device | str) -> torch.Tensor | None:
+        """[B, T] bool, True at real rows; None where every row is real."""
+        if self.valid_tokens is None:
+            return None
+        rows = torch.arange(self.num_tokens, device=device)
+        return rows[None, :] < self.valid_tokens[:, None]

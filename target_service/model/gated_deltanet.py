@@ -17,7 +17,11 @@ from dflash_serve.layers.linear import Linear, RowKernelGroup
 from dflash_serve.layers.norms import GatedRMSNorm
 from dflash_serve.qwen35_config import Qwen35TextConfig
 from target_service.kernels.chunked_prefill import chunked_prefill
-from target_service.model.causal_conv import causal_conv_with_state, conv_state_after
+from target_service.model.causal_conv import (
+    causal_conv_with_state,
+    conv_state_after,
+    conv_states_after,
+)
 from target_service.model.chunked_delta_rule import chunked_gated_delta_rule
 from target_service.model.delta_rule import expand_key_heads, gated_delta_rule, l2_normalize
 from target_service.model.forward_batch import ForwardBatch
@@ -97,6 +101,12 @@ class GatedDeltaNet(nn.Module):
         a = self.in_proj_a(x).float()
         decay = -self.A_log.float().exp() * softplus(a + self.dt_bias.float())
         if not batch.is_verify:
+            real = batch.real_rows(x.device)
+            if real is not None:  # padding: no decay, no update; history from real tokens
+                decay, beta = decay * real[..., None], beta * real[..., None]
+                conv_state = conv_states_after(
+                    state.conv_state[self.gdn_index, slots], conv_inputs, batch.valid_tokens
+                )
             out = self._prefill(q, k, v, decay, beta, slots, state)
             state.conv_state[self.gdn_index, slots] = conv_state.to(state.conv_state.dtype)
         else:
@@ -165,7 +175,12 @@ class GatedDeltaNet(nn.Module):
             conv_inputs, a, b, conv_states, self.conv1d.weight[:, 0, :], self.A_log,
             self.dt_bias, slots, conv_out, gates[0], gates[1],
         )  # fmt: skip
-        history = conv_state_after(conv_states[slots], conv_inputs, conv_inputs.shape[1])
+        real = batch.real_rows(x.device)
+        if real is None:
+            history = conv_state_after(conv_states[slots], conv_inputs, conv_inputs.shape[1])
+        else:  # padding (a prefill graph's): no decay, no update; history from real tokens
+            gates.mul_(real[None, :, :, None])
+            history = conv_states_after(conv_states[slots], conv_inputs, batch.valid_tokens)
         conv_states[slots] = history.to(conv_states.dtype)  # after the kernel read the old one
         q, k, v = self._heads(conv_out)
         pool = state.recurrent_state[layer]
