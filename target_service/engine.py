@@ -211,13 +211,14 @@ class TargetEngine:
 
     def _prefill_padded(self, slot: int, prompt_ids: list[int], run_tokens: int) -> PrefillResult:
         num_ids = len(prompt_ids)
-        padding = [prompt_ids[-1]] * (run_tokens - num_ids)
-        inputs = torch.tensor([slot, num_ids, *prompt_ids, *padding], dtype=torch.int64)
+        inputs = [slot, num_ids, *prompt_ids, *[prompt_ids[-1]] * (run_tokens - num_ids)]
         if self.prefill_graphs is not None:
-            last_logits, taps = self.prefill_graphs.replay(inputs)
+            last_logits, taps = self.prefill_graphs.replay(torch.tensor(inputs))
         else:
-            inputs = inputs.to(self.device, non_blocking=True)
-            last_logits, taps = padded_prefill(self.model, self.state, self.tap_layer_ids, inputs)
+            on_device = ints_on_device(inputs, self.device)
+            last_logits, taps = padded_prefill(
+                self.model, self.state, self.tap_layer_ids, on_device
+            )
         if taps is not None:
             taps = taps[:num_ids]
             self._share(slot, 0, taps)
