@@ -2,7 +2,8 @@
 
 - `prefill(slot, prompt_ids)`: commit a prompt; return the last position's logits and the
   tapped hidden states of every prompt token (chunked, so long prompts never need
-  prompt-length × vocab logits).
+  prompt-length × vocab logits). `prefill_together` commits several sessions' short prompts
+  in one forward.
 - `verify(slots, block_ids)`: run 1..16 tokens per sequence without committing; return the
   logits and taps at every block position.
 - `commit(slot, n)`: keep the first n tokens of the last verified block, roll back the rest.
@@ -23,7 +24,7 @@ from target_service.model.commit import commit_blocks
 from target_service.model.decoder import Qwen35TextModel
 from target_service.model.forward_batch import ForwardBatch, ints_on_device
 from target_service.model.state import StateShape, TargetState
-from target_service.prefill_graphs import PrefillGraphs, padded_prefill
+from target_service.prefill_graphs import PrefillGraphs, run_padded_prefill
 from target_service.verify_graphs import VerifyGraphs
 
 # With verify graphs, prompts up to this length are prefilled as 16-token verify blocks (see
@@ -60,6 +61,7 @@ class TargetEngine:
         graph_batch_sizes: tuple[int, ...] = (),
         block_prefill_max_tokens: int | None = None,
         prefill_run_tokens: tuple[int, ...] = (),
+        prefill_batch_rows: int | None = None,
     ) -> None:
         """share_features: also write taps into a CUDA buffer other processes can map.
 
@@ -71,6 +73,11 @@ class TargetEngine:
         prefill_run_tokens: prompts from position 0 up to the longest of these lengths are
         prefilled padded to the next one (`prefill_graphs`): captured as CUDA graphs where
         the verify is, else run eagerly; lengths above max_len are left out.
+        prefill_batch_rows: prompts of one run length T share a padded forward, up to
+        prefill_batch_rows // T of them (`prefill_group_size`). None: the rows the model's
+        row-independent kernels take (`use_gpu_kernels`; none on the reference path), so
+        that a prompt's bits never depend on its companions; on a GPU no more than those
+        (on the CPU the reference path's matmuls are row-independent too).
         """
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]
@@ -105,11 +112,25 @@ class TargetEngine:
                 )
             self.graphs = VerifyGraphs(model, self.state, self.tap_layer_ids, graph_batch_sizes)
         self.prefill_run_tokens = tuple(sorted(t for t in prefill_run_tokens if t <= shape.max_len))
+        if prefill_batch_rows is None:
+            prefill_batch_rows = model.max_kernel_rows
+        if self.device.type == "cuda" and prefill_batch_rows > model.max_kernel_rows:
+            raise ValueError(
+                f"prefill_batch_rows {prefill_batch_rows} exceeds the {model.max_kernel_rows} "
+                "rows the row-independent kernels take: beyond them (cuBLAS) a prompt's bits "
+                "would depend on the prompts sharing its forward"
+            )
+        self.prefill_batch_rows = prefill_batch_rows
+        # Prompts of a group are distinct sessions, and the scheduler's batch bounds them.
+        self.max_prefill_group = max(graph_batch_sizes, default=shape.max_slots)
         self.prefill_graphs: PrefillGraphs | None = None
         if self.graphs is not None and self.prefill_run_tokens:
-            self.prefill_graphs = PrefillGraphs(
-                model, self.state, self.tap_layer_ids, self.prefill_run_tokens
+            shapes = tuple(
+                (num_prompts, run_tokens)
+                for run_tokens in self.prefill_run_tokens
+                for num_prompts in range(1, self.prefill_group_size(run_tokens) + 1)
             )
+            self.prefill_graphs = PrefillGraphs(model, self.state, self.tap_layer_ids, shapes)
         if block_prefill_max_tokens is None:
             if self.graphs is None:
                 block_prefill_max_tokens = 0
@@ -196,7 +217,7 @@ class TargetEngine:
                 return self._prefill_in_blocks(slot, prompt_ids)
             run_tokens = self.prefill_run_length(slot, len(prompt_ids))
             if run_tokens is not None:
-                return self._prefill_padded(slot, prompt_ids, run_tokens)
+                return self._prefill_padded([slot], [prompt_ids], run_tokens)[0]
             return self._prefill_in_chunks(slot, prompt_ids)
         except Exception:
             self.reset_sequence(slot)
@@ -209,21 +230,65 @@ class TargetEngine:
             return None
         return next((t for t in self.prefill_run_tokens if t >= num_tokens), None)
 
-    def _prefill_padded(self, slot: int, prompt_ids: list[int], run_tokens: int) -> PrefillResult:
-        num_ids = len(prompt_ids)
-        inputs = [slot, num_ids, *prompt_ids, *[prompt_ids[-1]] * (run_tokens - num_ids)]
-        if self.prefill_graphs is not None:
-            last_logits, taps = self.prefill_graphs.replay(torch.tensor(inputs))
-        else:
-            on_device = ints_on_device(inputs, self.device)
-            last_logits, taps = padded_prefill(
-                self.model, self.state, self.tap_layer_ids, on_device
+    def prefill_group_size(self, run_tokens: int) -> int:
+        """How many prompts of run length `run_tokens` may share one padded forward (1:
+        each runs alone): as many as fit in `prefill_batch_rows` rows."""
+        return max(1, min(self.prefill_batch_rows // run_tokens, self.max_prefill_group))
+
+    def shares_prefills(self, slot: int, num_tokens: int) -> bool:
+        """Whether a prompt of `num_tokens` on this slot may share its forward with other
+        sessions' prompts (`prefill_together`; InProcessTarget batches it then)."""
+        run_tokens = self.prefill_run_length(slot, num_tokens)
+        return run_tokens is not None and self.prefill_group_size(run_tokens) > 1
+
+    @torch.inference_mode()
+    def prefill_together(self, slots: list[int], prompts: list[list[int]]) -> list[PrefillResult]:
+        """Commit several sessions' prompts in one padded forward, one row each: all from
+        position 0, of one run length, at most `prefill_group_size` of them. Each result is
+        bit for bit the prompt's prefill alone (the row-independent kernels). If the forward
+        fails, nothing stays committed on any slot."""
+        if len(slots) != len(prompts) or len(set(slots)) != len(slots) or not slots:
+            raise InvalidRequestError(
+                f"prefill_together needs distinct slots, one prompt each; got {slots} and "
+                f"{len(prompts)} prompts"
             )
-        if taps is not None:
-            taps = taps[:num_ids]
-            self._share(slot, 0, taps)
-        self.state.lengths[slot] = num_ids
-        return PrefillResult(last_logits, taps)
+        for slot, prompt_ids in zip(slots, prompts, strict=True):
+            self.check_prompt(slot, prompt_ids)
+        run_tokens = {
+            self.prefill_run_length(s, len(p)) for s, p in zip(slots, prompts, strict=True)
+        }
+        if len(run_tokens) != 1 or None in run_tokens:
+            raise InvalidRequestError(
+                f"prompts prefilled together need one run length from position 0; got {run_tokens}"
+            )
+        (run_length,) = run_tokens
+        if len(slots) > self.prefill_group_size(run_length):
+            raise InvalidRequestError(
+                f"{len(slots)} prompts of run length {run_length}: at most "
+                f"{self.prefill_group_size(run_length)} share a forward"
+            )
+        try:
+            return self._prefill_padded(slots, prompts, run_length)
+        except Exception:
+            for slot in slots:
+                self.reset_sequence(slot)
+            raise
+
+    def _prefill_padded(
+        self, slots: list[int], prompts: list[list[int]], run_tokens: int
+    ) -> list[PrefillResult]:
+        last_logits, taps = run_padded_prefill(
+            self.model, self.state, self.tap_layer_ids, self.prefill_graphs, slots, prompts,
+            run_tokens,
+        )  # fmt: skip
+        results = []
+        for row, (slot, ids) in enumerate(zip(slots, prompts, strict=True)):
+            prompt_taps = None if taps is None else taps[row, : len(ids)]
+            if prompt_taps is not None:
+                self._share(slot, 0, prompt_taps)
+            self.state.lengths[slot] = len(ids)
+            results.append(PrefillResult(last_logits[row], prompt_taps))
+        return results
 
     def _prefill_in_chunks(self, slot: int, prompt_ids: list[int]) -> PrefillResult:
         """Eager forwards of `prefill_chunk_tokens` tokens. Every chunk's token ids, slot and

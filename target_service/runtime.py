@@ -97,6 +97,7 @@ class TargetRuntime:
         return SharedFeatures(buffer_id, slot, step.start_position, num_tokens, row_width)
 
     def stats(self) -> dict[str, int]:
+        """The batcher's counters: its requests are verify blocks and shared prompts alike."""
         counters = self.target.batcher.counters
         return {
             "num_active_sessions": self.engine.slots.num_active,

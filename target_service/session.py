@@ -1,7 +1,8 @@
 """Target sessions over an engine in this process, with verify steps batched across sessions.
 
 All engine work runs on one thread (the engine is not re-entrant); the gRPC servicer wraps
-these same sessions, and tests and benchmarks use them directly.
+these same sessions, and tests and benchmarks use them directly. Short prompts go through the
+batcher too, so that sessions starting together share prefill forwards.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 from target_service.engine import TargetEngine
 from target_service.speculative_step import (
+    PrefillRequest,
     VerifyRequest,
     prefill_and_choose,
     prefill_result,
-    verify_and_commit,
+    run_target_batch,
 )
 
 
@@ -37,7 +39,7 @@ class InProcessTarget:
         inline_batches: batches may run on the event loop (the GPU fast path's short forwards)."""
         self.engine = engine
         self.batcher = engine_batcher(
-            partial(verify_and_commit, engine),
+            partial(run_target_batch, engine),
             engine.slots,
             "target-engine",
             max_batch_size,
@@ -65,11 +67,15 @@ class TargetSequence:
         self.is_closed = False
 
     async def prefill(self, prompt_ids: list[int]) -> TargetStep:
-        """A long prompt in one engine call; a short one as verify blocks through the batcher,
-        so that the prompts of sessions starting together share verifies (and a prefill
-        does not hold up the other sessions' steps)."""
+        """A long prompt in one engine call; a short one through the batcher, so that the
+        prompts of sessions starting together share forwards: as one row of a padded prefill
+        (`TargetEngine.shares_prefills`) or as verify blocks."""
         engine, prompt_ids = self.owner.engine, list(prompt_ids)
         if not engine.prefills_in_blocks(len(prompt_ids)):
+            if engine.shares_prefills(self.slot, len(prompt_ids)):
+                return await self.owner.batcher.submit(
+                    PrefillRequest(self.slot, prompt_ids, self.sampling)
+                )
             return await self.owner.batcher.run_exclusive(
                 prefill_and_choose, engine, self.slot, prompt_ids, self.sampling
             )

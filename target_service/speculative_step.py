@@ -3,21 +3,27 @@
 `verify_and_commit` runs the blocks of many sessions in one forward (whatever their lengths). For a
 block [anchor, d1..dk] at positions p..p+k, logits row i gives the target's token y_i at
 position p+i+1; drafts are accepted while d_{i+1} == y_i; the anchor and the accepted drafts
-are committed and y_accepted becomes the next anchor.
+are committed and y_accepted becomes the next anchor. `run_target_batch`, the target's batch
+function, also takes the prompts of sessions starting together (`PrefillRequest`) and
+prefills those of one run length in shared forwards.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dflash_serve.errors import DflashError
+from dflash_serve.errors import DflashError, InvalidRequestError
 from dflash_serve.sampling import choose_block_tokens, choose_tokens
 from dflash_serve.speculative.types import SamplingParams, TargetStep
 from target_service.engine import TargetEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,15 @@ class VerifyRequest:
     block_ids: list[int]
     sampling: SamplingParams
     keep_all: bool = False  # a block of the prompt: every token is committed, none checked
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """A prompt from position 0 that may share its forward (`TargetEngine.shares_prefills`)."""
+
+    slot: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
 
 
 def prefill_and_choose(
@@ -104,3 +119,66 @@ def _verify_group(engine, group, indices, results) -> None:
     elapsed_ns = time.perf_counter_ns() - began_ns
     for index, step in zip(indices, steps, strict=True):
         results[index] = TargetStep(*step, forward_ns=elapsed_ns, batch_size=len(group))
+
+
+def run_target_batch(
+    engine: TargetEngine, requests: Sequence[VerifyRequest | PrefillRequest]
+) -> list[TargetStep | BaseException]:
+    """One result per request, in order: the prompts first, those of one run length in
+    forwards of `prefill_group_size` rows, then every block in one `verify_and_commit`. A
+    prefill forward that fails fails its own prompts (nothing of them committed), not the
+    batch's other requests."""
+    results: list[TargetStep | BaseException | None] = [None] * len(requests)
+    groups: dict[int, list[int]] = defaultdict(list)
+    verifies = []
+    for index, request in enumerate(requests):
+        if isinstance(request, VerifyRequest):
+            verifies.append(index)
+            continue
+        try:
+            engine.check_prompt(request.slot, request.prompt_ids)
+            run_tokens = engine.prefill_run_length(request.slot, len(request.prompt_ids))
+            if run_tokens is None:
+                raise InvalidRequestError(
+                    f"slot {request.slot}: a shared prefill starts at position 0"
+                )
+        except DflashError as error:
+            results[index] = error
+            continue
+        groups[run_tokens].append(index)
+    for run_tokens, indices in groups.items():
+        size = engine.prefill_group_size(run_tokens)
+        for first in range(0, len(indices), size):
+            group = indices[first : first + size]
+            try:
+                steps = prefill_together_and_choose(engine, [requests[i] for i in group])
+            except Exception as error:  # handed to the group's waiters
+                logger.exception("prefill of %d prompts failed", len(group))
+                steps = [error] * len(group)
+            for index, step in zip(group, steps, strict=True):
+                results[index] = step
+    if verifies:
+        outcomes = verify_and_commit(engine, [requests[i] for i in verifies])
+        for index, outcome in zip(verifies, outcomes, strict=True):
+            results[index] = outcome
+    return results
+
+
+def prefill_together_and_choose(
+    engine: TargetEngine, requests: Sequence[PrefillRequest]
+) -> list[TargetStep]:
+    """`prefill_and_choose` for prompts of one run length in one forward (one host sync)."""
+    began_ns = time.perf_counter_ns()
+    slots = [r.slot for r in requests]
+    results = engine.prefill_together(slots, [r.prompt_ids for r in requests])
+    logits = torch.stack([result.last_logits for result in results]).unsqueeze(1)
+    starts = [len(r.prompt_ids) - 1 for r in requests]  # row 0 predicts position len(prompt)
+    ones = [1] * len(requests)
+    chosen = choose_block_tokens(
+        logits, starts, ones, [r.sampling for r in requests], [0] * len(requests)
+    )
+    elapsed_ns = time.perf_counter_ns() - began_ns
+    return [
+        TargetStep(tokens, 0, result.taps, 0, elapsed_ns, len(requests))
+        for tokens, result in zip(chosen, results, strict=True)
+    ]

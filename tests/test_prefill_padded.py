@@ -14,33 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from target_service import engine as engine_module
+from target_service import prefill_graphs
 from target_service.engine import TargetEngine
-from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
-from tests.tiny_checkpoints import KERNEL_FRIENDLY, write_causal_lm
+from tests.prefill_checks import greedy_tokens
 
 TAP = 1
 MAX_LEN = 96
 PROMPTS = ([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [7 * i % 97 + 1 for i in range(32)], [5])
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_causal_lm(tmp_path_factory.mktemp("padded"), seed=11, overrides=KERNEL_FRIENDLY)
-
-
-@pytest.fixture(scope="module")
-def reference_model(checkpoint):
-    return load_target_model(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def kernel_model(checkpoint):
-    pytest.importorskip("triton")
-    model = load_target_model(checkpoint, torch.bfloat16, "cpu")
-    model.use_gpu_kernels(64)
-    return model
 
 
 def new_engine(model, prefill_run_tokens=()):
@@ -48,20 +29,12 @@ def new_engine(model, prefill_run_tokens=()):
     return TargetEngine(model, shape, (TAP,), prefill_run_tokens=prefill_run_tokens)
 
 
-def greedy(engine, slot, first_token, count):
-    tokens = [first_token]
-    for _ in range(count):
-        tokens.append(int(engine.verify([slot], [[tokens[-1]]]).logits[0, 0].argmax()))
-        engine.commit(slot, 1)
-    return tokens
-
-
 def prefill_both(model, prompt, run_tokens):
     """(engine, slot, result) with the run lengths and without; the padded engine's forward
     is checked to have run at the shortest run length that holds the prompt."""
     padded, plain = new_engine(model, run_tokens), new_engine(model)
     lengths = []
-    forward = engine_module.padded_prefill
+    forward = prefill_graphs.padded_prefill
 
     def spy(model, state, taps, inputs):
         lengths.append(inputs.shape[0] - 2)
@@ -71,7 +44,7 @@ def prefill_both(model, prompt, run_tokens):
     for engine in (padded, plain):
         slot = engine.open_sequence()
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(engine_module, "padded_prefill", spy)
+            patch.setattr(prefill_graphs, "padded_prefill", spy)
             results.append((engine, slot, engine.prefill(slot, prompt)))
     assert lengths == [min(t for t in run_tokens if t >= len(prompt))]
     return results
@@ -98,7 +71,7 @@ def assert_same_prefill(model, prompt, run_tokens, atol):
         prompt_keys, reference.key_cache[:, plain_slot, : len(prompt)], atol=atol, rtol=0
     )
     first = int(expected.last_logits.argmax())
-    assert greedy(padded, slot, first, 6) == greedy(plain, plain_slot, first, 6)
+    assert greedy_tokens(padded, slot, first, 6) == greedy_tokens(plain, plain_slot, first, 6)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=len)
@@ -106,8 +79,8 @@ def test_padded_prefill_equals_the_prompt_alone_on_the_reference_path(reference_
     assert_same_prefill(reference_model, prompt, (16, 32, 64), atol=1e-5)
 
 
-def test_padded_prefill_equals_the_prompt_alone_on_the_kernel_path(kernel_model):
-    assert_same_prefill(kernel_model, PROMPTS[0], (16,), atol=2e-2)
+def test_padded_prefill_equals_the_prompt_alone_on_the_kernel_path(cpu_kernel_model):
+    assert_same_prefill(cpu_kernel_model, PROMPTS[0], (16,), atol=2e-2)
 
 
 def test_padding_without_its_mask_would_change_the_state_so_the_check_can_fail(

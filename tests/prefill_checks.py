@@ -1,0 +1,28 @@
+"""The bit-for-bit comparison of two prefills that the prefill tests share."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_same_prefill_bits(engine, slot, result, other, other_slot, expected, num_tokens):
+    """The prefill of `num_tokens` on (engine, slot) gave `result` and on (other, other_slot)
+    `expected`: the same last logits and taps, and the same state for later tokens to read
+    (GDN recurrent and conv states, the prompt's keys), bit for bit."""
+    assert engine.length(slot) == other.length(other_slot) == num_tokens
+    assert torch.equal(result.last_logits, expected.last_logits)
+    assert torch.equal(result.taps, expected.taps)
+    for name in ("recurrent_state", "conv_state"):
+        mine, theirs = getattr(engine.state, name), getattr(other.state, name)
+        assert torch.equal(mine[:, slot], theirs[:, other_slot]), name
+    keys = engine.state.key_cache[:, slot, :num_tokens]
+    assert torch.equal(keys, other.state.key_cache[:, other_slot, :num_tokens])
+
+
+def greedy_tokens(engine, slot, first_token, count):
+    """Plain greedy decoding from `first_token`: it and the `count` tokens after it."""
+    tokens = [first_token]
+    for _ in range(count):
+        tokens.append(int(engine.verify([slot], [[tokens[-1]]]).logits[0, 0].argmax()))
+        engine.commit(slot, 1)
+    return tokens
