@@ -1,0 +1,111 @@
+"""Sessions starting together: their prompts prefilled one after another against sharing
+padded forwards (`TargetEngine.prefill_together`), on the 4B-shaped target built as the
+service builds it (verify and prefill graphs, 16 slots: row kernels up to 256 rows).
+
+For each prompt length and number of prompts, the time from the first prompt's start to the
+last one's first token, through the target's batch function (`run_target_batch`: what the
+batcher runs when the prompts arrive together) and through `prefill_and_choose` per prompt
+(what ran before). `--kernel-rows` raises the rows the row kernels take (the service keeps
+max_slots × 16), and with it how many prompts share a forward: whether the row kernels
+stay fast enough at more rows is what that measures, against the cuBLAS path they replace
+(the solo prefill of the same engine at the longer lengths shows it).
+
+python -m bench.prefill_together --out bench/results/prefill-together-h200.json
+    [--lengths 32 64 128] [--counts 1 2 4 8] [--kernel-rows 256 1024] [--layout int4_all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.measure_engine import build_target
+from bench.timing import median_ms, run_facts
+from dflash_serve.checkpoint.synthetic import LAYOUTS, QWEN35_4B_TEXT, write_target
+from dflash_serve.speculative.types import SamplingParams
+from target_service.speculative_step import PrefillRequest, prefill_and_choose, run_target_batch
+
+MAX_SLOTS = 16
+
+
+def measure(engine, length: int, count: int, repeats: int) -> dict:
+    """ms to prefill `count` prompts of `length` tokens: shared forwards, then one by one."""
+    vocab = engine.config.vocab_size
+    prompts = [[(i * 7919 + j * 31) % vocab for i in range(length)] for j in range(count)]
+    greedy = SamplingParams()
+    slots = []
+
+    def open_all():
+        slots[:] = [engine.open_sequence() for _ in prompts]
+
+    def close_all():
+        for slot in slots:
+            engine.close_sequence(slot)
+
+    def shared():
+        open_all()
+        requests = [PrefillRequest(s, p, greedy) for s, p in zip(slots, prompts, strict=True)]
+        for step in run_target_batch(engine, requests):
+            if isinstance(step, BaseException):
+                raise step
+        close_all()
+
+    def alone():
+        open_all()
+        for slot, prompt in zip(slots, prompts, strict=True):
+            prefill_and_choose(engine, slot, prompt, greedy)
+        close_all()
+
+    probe = engine.open_sequence()
+    run_tokens = engine.prefill_run_length(probe, length)
+    engine.close_sequence(probe)
+    return {
+        "run_tokens": run_tokens,
+        "prompts_per_forward": engine.prefill_group_size(run_tokens) if run_tokens else 1,
+        "shared_ms": round(median_ms(shared, repeats=repeats, warmup=2), 3),
+        "one_by_one_ms": round(median_ms(alone, repeats=repeats, warmup=2), 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--commit")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--kernel-rows", type=int, nargs="+", default=[MAX_SLOTS * 16])
+    parser.add_argument("--layout", choices=LAYOUTS, default="int4_all")
+    parser.add_argument("--solo-lengths", type=int, nargs="*", default=[256, 512, 1024])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    results = run_facts("python -m bench.prefill_together " + " ".join(sys.argv[1:]))
+    if args.commit:
+        results["commit"] = args.commit
+    results["layout"] = args.layout
+    model_dir = write_target(
+        Path(tempfile.mkdtemp()) / "t", QWEN35_4B_TEXT, args.layout, device="cuda"
+    )
+    for rows in args.kernel_rows:
+        engine = build_target(model_dir, MAX_SLOTS, 2048 + 16, kernel_rows=rows)
+        by_rows = results.setdefault("kernel_rows", {})[str(rows)] = {}
+        for length in args.lengths:
+            for count in args.counts:
+                row = measure(engine, length, count, args.repeats)
+                by_rows[f"{count}x{length}"] = row
+                print(f"kernel rows {rows}: {count} x {length} tokens {row}", flush=True)
+        for length in args.solo_lengths:  # row kernels below `rows` rows, cuBLAS above
+            row = measure(engine, length, 1, args.repeats)
+            by_rows[f"1x{length}"] = row
+            print(f"kernel rows {rows}: 1 x {length} tokens {row}", flush=True)
+        del engine
+    print(json.dumps(results, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
