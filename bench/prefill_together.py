@@ -8,7 +8,8 @@ batcher runs when the prompts arrive together) and through `prefill_and_choose` 
 (what ran before). `--kernel-rows` raises the rows the row kernels take (the service keeps
 max_slots × 16), and with it how many prompts share a forward: whether the row kernels
 stay fast enough at more rows is what that measures, against the cuBLAS path they replace
-(the solo prefill of the same engine at the longer lengths shows it).
+(the single prompts of 256-1024 tokens: on cuBLAS above the budget, so run the default
+budget beside a raised one).
 
 python -m bench.prefill_together --out bench/results/prefill-together-h200.json
     [--lengths 32 64 128] [--counts 1 2 4 8] [--kernel-rows 256 1024] [--layout int4_all]
@@ -48,10 +49,11 @@ def measure(engine, length: int, count: int, repeats: int) -> dict:
     def shared():
         open_all()
         requests = [PrefillRequest(s, p, greedy) for s, p in zip(slots, prompts, strict=True)]
-        for step in run_target_batch(engine, requests):
+        steps = run_target_batch(engine, requests)
+        close_all()
+        for step in steps:
             if isinstance(step, BaseException):
                 raise step
-        close_all()
 
     def alone():
         open_all()

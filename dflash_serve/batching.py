@@ -2,10 +2,11 @@
 
 A request waits at most `max_wait_us` for companions (no longer than until every session
 that could send one has), and a batch holds at most `max_batch_size` requests. Engines are
-not re-entrant: all engine work runs one call at a time. Long work (prefill, open, close)
-goes through `run_exclusive` to the batcher's own thread, and the event loop stays free
-meanwhile. With `inline_batches` (the services' GPU fast path, whose graph-replayed forwards
-take milliseconds) a batch runs on the event loop itself when that thread is idle: a trip
+not re-entrant: all engine work runs one call at a time. Long work (a long prefill, open,
+close) goes through `run_exclusive` to the batcher's own thread, and the event loop stays
+free meanwhile; short prompts that may share a forward are submitted like any request.
+With `inline_batches` (the services' GPU fast path, whose graph-replayed forwards take
+milliseconds) a batch runs on the event loop itself when that thread is idle: a trip
 to the thread and back cost ~0.2 ms per batch on the H200's host, twice per speculative
 step. A batch queued behind work on the thread goes there too, so the two never overlap.
 Not on the CPU path: its forwards can take seconds (the loop would not answer health

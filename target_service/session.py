@@ -73,9 +73,12 @@ class TargetSequence:
         engine, prompt_ids = self.owner.engine, list(prompt_ids)
         if not engine.prefills_in_blocks(len(prompt_ids)):
             if engine.shares_prefills(self.slot, len(prompt_ids)):
-                return await self.owner.batcher.submit(
-                    PrefillRequest(self.slot, prompt_ids, self.sampling)
-                )
+                request = PrefillRequest(self.slot, prompt_ids, self.sampling)
+                try:
+                    return await self.owner.batcher.submit(request)
+                except Exception:  # whatever failed, the session can prefill again
+                    await self.owner.batcher.run_exclusive(engine.reset_sequence, self.slot)
+                    raise
             return await self.owner.batcher.run_exclusive(
                 prefill_and_choose, engine, self.slot, prompt_ids, self.sampling
             )

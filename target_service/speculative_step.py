@@ -158,7 +158,11 @@ def run_target_batch(
             for index, step in zip(group, steps, strict=True):
                 results[index] = step
     if verifies:
-        outcomes = verify_and_commit(engine, [requests[i] for i in verifies])
+        try:
+            outcomes = verify_and_commit(engine, [requests[i] for i in verifies])
+        except Exception as error:  # the blocks' error, not the prompts' (committed above)
+            logger.exception("verify of %d blocks failed", len(verifies))
+            outcomes = [error] * len(verifies)
         for index, outcome in zip(verifies, outcomes, strict=True):
             results[index] = outcome
     return results
@@ -167,16 +171,23 @@ def run_target_batch(
 def prefill_together_and_choose(
     engine: TargetEngine, requests: Sequence[PrefillRequest]
 ) -> list[TargetStep]:
-    """`prefill_and_choose` for prompts of one run length in one forward (one host sync)."""
+    """`prefill_and_choose` for prompts of one run length in one forward (one host sync).
+    If choosing fails (where an asynchronous GPU error of the forward also surfaces), the
+    prompts are reset too: nothing of them stays committed."""
     began_ns = time.perf_counter_ns()
     slots = [r.slot for r in requests]
     results = engine.prefill_together(slots, [r.prompt_ids for r in requests])
     logits = torch.stack([result.last_logits for result in results]).unsqueeze(1)
     starts = [len(r.prompt_ids) - 1 for r in requests]  # row 0 predicts position len(prompt)
     ones = [1] * len(requests)
-    chosen = choose_block_tokens(
-        logits, starts, ones, [r.sampling for r in requests], [0] * len(requests)
-    )
+    try:
+        chosen = choose_block_tokens(
+            logits, starts, ones, [r.sampling for r in requests], [0] * len(requests)
+        )
+    except Exception:
+        for slot in slots:
+            engine.reset_sequence(slot)
+        raise
     elapsed_ns = time.perf_counter_ns() - began_ns
     return [
         TargetStep(tokens, 0, result.taps, 0, elapsed_ns, len(requests))

@@ -453,8 +453,8 @@ def assert_prefilled_together_as_alone(model, graph_batch_sizes, prompts, run_to
 @pytest.mark.gpu
 def test_prefill_graphs_of_several_prompts_equal_each_prompt_alone_bit_for_bit(kernel_model):
     """Graphs of up to as many prompts as the row kernels' rows hold: the row kernels,
-    fla-core's chunks (where installed) and flash attention give a row the same bits
-    whatever shares the forward."""
+    fla-core's chunks (where installed) and flash attention (one call per prompt) give a
+    row the same bits whatever shares the forward."""
     engine = new_engine(kernel_model, (1, 2, 3), prefill_run_tokens=(32, 64))
     assert engine.prefill_group_size(32) == 2 and engine.prefill_group_size(64) == 1
     assert engine.prefill_graphs.has(2, 32) and not engine.prefill_graphs.has(3, 32)
@@ -548,14 +548,14 @@ def test_after_warm_up_serving_compiles_no_recurrence_variant(kernel_model):
 LAYOUTS_AND_READS = [("bf16", "bf16"), ("int4_all", "bf16"), ("int4_all", "int4")]
 
 
-def qwen35_4b_shaped_model(tmp_path, layout, int4_reads):
-    """Random weights of Qwen3.5-4B's layer shapes (4 layers) on the GPU kernels, with room
-    for 8 sequences' 16-token blocks."""
+def qwen35_4b_shaped_model(tmp_path, layout, int4_reads, max_kernel_rows=8 * 16):
+    """Random weights of Qwen3.5-4B's layer shapes (4 layers) on the GPU kernels, by default
+    with room for 8 sequences' 16-token blocks."""
     layer_types = ["linear_attention"] * 3 + ["full_attention"]
     config = QWEN35_4B_TEXT | {"num_hidden_layers": 4, "layer_types": layer_types}
     model_dir = write_target(tmp_path / layout, config, layout, device="cuda")
     model = load_target_model(model_dir, torch.bfloat16, "cuda")
-    model.use_gpu_kernels(8 * 16, int4_reads)
+    model.use_gpu_kernels(max_kernel_rows, int4_reads)
     return model
 
 
@@ -580,12 +580,16 @@ def test_qwen35_4b_shaped_speculative_equals_plain(tmp_path, layout, int4_reads)
 @pytest.mark.gpu
 @pytest.mark.parametrize(("layout", "int4_reads"), LAYOUTS_AND_READS)
 def test_qwen35_4b_shaped_prompts_prefilled_together_equal_each_alone(tmp_path, layout, int4_reads):
-    """Four prompts of 18..30 tokens in the prefill graph of (4, 32): 128 rows, all the row
-    kernels' at Qwen3.5-4B's shapes (split K and the W4A16 kernel included)."""
-    model = qwen35_4b_shaped_model(tmp_path, layout, int4_reads)
+    """Four prompts of 18..30 tokens in the prefill graph of (4, 32), and two of 100 and 128
+    tokens in that of (2, 128): 128 and 256 rows, all the row kernels' at Qwen3.5-4B's
+    shapes (split K and the W4A16 kernel included); at 128 tokens flash attention splits
+    the keys by batch × heads, which the prompts' separate attention calls keep as alone."""
+    model = qwen35_4b_shaped_model(tmp_path, layout, int4_reads, max_kernel_rows=16 * 16)
     vocab = model.config.vocab_size
     prompts = [[(i * 13 + j * 5) % vocab for j in range(18 + 4 * i)] for i in range(4)]
     assert_prefilled_together_as_alone(model, (1, 4), prompts, 32)
+    longer = [[(i * 17 + j * 3) % vocab for j in range(100 + 28 * i)] for i in range(2)]
+    assert_prefilled_together_as_alone(model, (1, 2), longer, 128)
 
 
 def solo_logits(engine, tokens, prompt_length):

@@ -15,7 +15,7 @@ import torch
 
 from dflash_serve.errors import InvalidRequestError
 from dflash_serve.speculative.types import SamplingParams
-from target_service import prefill_graphs
+from target_service import prefill_graphs, speculative_step
 from target_service.engine import TargetEngine
 from target_service.model.state import StateShape
 from target_service.session import InProcessTarget
@@ -132,17 +132,32 @@ def test_prefill_together_refuses_what_cannot_share_a_forward(reference_model, c
     assert [engine.length(slot) for slot in slots[:2]] == before
 
 
+def fail_after_the_forward(monkeypatch, error: Exception):
+    """The padded forward runs (and writes the slots' state), then raises `error`."""
+    forward = prefill_graphs.padded_prefill
+
+    def failing(*args):
+        forward(*args)
+        raise error
+
+    monkeypatch.setattr(prefill_graphs, "padded_prefill", failing)
+
+
+def assert_empty(engine, slots):
+    """Nothing committed: no length, and the GDN state a next prefill starts from is zero."""
+    for slot in slots:
+        assert engine.length(slot) == 0
+        assert not engine.state.recurrent_state[:, slot].any()
+        assert not engine.state.conv_state[:, slot].any()
+
+
 def test_a_failed_forward_leaves_no_prompt_committed(reference_model, monkeypatch):
     engine = new_engine(reference_model)
     slots = [engine.open_sequence() for _ in range(2)]
-
-    def failing(*args):
-        raise RuntimeError("injected failure")
-
-    monkeypatch.setattr(prefill_graphs, "padded_prefill", failing)
+    fail_after_the_forward(monkeypatch, RuntimeError("injected failure"))
     with pytest.raises(RuntimeError, match="injected"):
         engine.prefill_together(slots, list(PROMPTS[:2]))
-    assert [engine.length(slot) for slot in slots] == [0, 0]
+    assert_empty(engine, slots)
 
 
 def test_a_failed_prefill_fails_only_its_prompts_in_a_batch(reference_model, monkeypatch):
@@ -151,7 +166,7 @@ def test_a_failed_prefill_fails_only_its_prompts_in_a_batch(reference_model, mon
     engine = new_engine(reference_model)
     decoding, first, second = (engine.open_sequence() for _ in range(3))
     engine.prefill(decoding, PROMPTS[2])
-    monkeypatch.setattr(prefill_graphs, "padded_prefill", lambda *args: 1 / 0)
+    fail_after_the_forward(monkeypatch, ZeroDivisionError())
     greedy_params = SamplingParams()
     requests = [
         PrefillRequest(first, PROMPTS[0], greedy_params),
@@ -160,10 +175,48 @@ def test_a_failed_prefill_fails_only_its_prompts_in_a_batch(reference_model, mon
     ]
     results = run_target_batch(engine, requests)
     assert isinstance(results[0], ZeroDivisionError) and results[2] is results[0]
-    assert engine.length(first) == engine.length(second) == 0
-    assert results[1].token_ids and engine.length(decoding) == len(PROMPTS[2]) + len(
-        results[1].token_ids
-    )
+    assert_empty(engine, [first, second])
+    kept = len(results[1].token_ids)
+    assert kept and engine.length(decoding) == len(PROMPTS[2]) + kept
+
+
+def test_a_failed_verify_fails_only_the_blocks_in_a_batch(reference_model, monkeypatch):
+    """The prompts are committed before the blocks are verified: a failing verify gives its
+    error to the blocks, and the prompts their steps."""
+    engine = new_engine(reference_model)
+    decoding, first = engine.open_sequence(), engine.open_sequence()
+    engine.prefill(decoding, PROMPTS[2])
+
+    def failing(slots, blocks):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine, "verify", failing)
+    greedy_params = SamplingParams()
+    requests = [
+        PrefillRequest(first, PROMPTS[0], greedy_params),
+        VerifyRequest(decoding, [7, 8], greedy_params),
+    ]
+    prefill_step, verify_error = run_target_batch(engine, requests)
+    assert isinstance(verify_error, RuntimeError)
+    assert engine.length(first) == len(PROMPTS[0]) and prefill_step.token_ids
+
+
+def test_a_failed_choice_after_the_forward_resets_the_prompts(reference_model, monkeypatch):
+    """Choosing the first tokens is where an asynchronous GPU error of the forward surfaces:
+    if it fails, the committed prompts are reset."""
+    engine = new_engine(reference_model)
+    slots = [engine.open_sequence() for _ in range(2)]
+
+    def failing(*args):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(speculative_step, "choose_block_tokens", failing)
+    requests = [
+        PrefillRequest(s, p, SamplingParams()) for s, p in zip(slots, PROMPTS, strict=False)
+    ]
+    results = run_target_batch(engine, requests)
+    assert all(isinstance(result, RuntimeError) for result in results)
+    assert_empty(engine, slots)
 
 
 def test_sessions_starting_together_share_prefill_forwards(reference_model, monkeypatch):

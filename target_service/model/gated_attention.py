@@ -129,7 +129,10 @@ class GatedAttention(nn.Module):
         return self._attend_cache(q, slots, batch, state, gates)
 
     def _prefill_together(self, q, k, v, batch: ForwardBatch, state: TargetState):
-        """Sequences at the same start position (training, equal-length prompts): one call."""
+        """Sequences at the same start position (training, equal-length prompts): one call.
+        Padded prompts (`valid_tokens`, prompts of sessions sharing a prefill) attend one
+        call each, as alone: flash attention splits the keys by batch × heads (its split-KV
+        heuristic), so in one call a prompt's bits could depend on how many share it."""
         num_seqs, num_tokens = q.shape[:2]
         start = batch.start_positions[0]
         end = start + num_tokens
@@ -139,7 +142,11 @@ class GatedAttention(nn.Module):
         key_cache[slots, start:end] = k.to(key_cache.dtype)
         value_cache[slots, start:end] = v.to(value_cache.dtype)
         keys, values = key_cache[slots, :end], value_cache[slots, :end]
-        out = attend_causal(q, keys, values, self.scale)
+        if batch.valid_tokens is None:
+            out = attend_causal(q, keys, values, self.scale)
+        else:
+            rows = [slice(b, b + 1) for b in range(num_seqs)]
+            out = torch.cat([attend_causal(q[r], keys[r], values[r], self.scale) for r in rows])
         return out.reshape(num_seqs, num_tokens, -1)
 
     def _verify_with_kernel(self, q, k, v, batch: ForwardBatch, state: TargetState):
