@@ -245,8 +245,8 @@ class TargetEngine:
     def prefill_together(self, slots: list[int], prompts: list[list[int]]) -> list[PrefillResult]:
         """Commit several sessions' prompts in one padded forward, one row each: all from
         position 0, of one run length, at most `prefill_group_size` of them. Each result is
-        bit for bit the prompt's prefill alone (the row-independent kernels). If the forward
-        fails, nothing stays committed on any slot."""
+        bit for bit the prompt's prefill alone (the row-independent kernels, an attention
+        call per prompt). If the forward fails, nothing stays committed on any slot."""
         if len(slots) != len(prompts) or len(set(slots)) != len(slots) or not slots:
             raise InvalidRequestError(
                 f"prefill_together needs distinct slots, one prompt each; got {slots} and "

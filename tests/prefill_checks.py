@@ -1,8 +1,24 @@
-"""The bit-for-bit comparison of two prefills that the prefill tests share."""
+"""What the prefill tests share: comparing two prefills bit for bit, decoding after one, and
+recording the shapes of the padded prefill forwards."""
 
 from __future__ import annotations
 
 import torch
+
+from target_service import prefill_graphs
+
+
+def record_padded_forwards(monkeypatch) -> list[tuple[int, int]]:
+    """The (prompts, run length) of every padded prefill forward from now on, in order."""
+    shapes = []
+    forward = prefill_graphs.padded_prefill
+
+    def spy(model, state, taps, inputs):
+        shapes.append((inputs.shape[1], inputs.shape[0] - 2))
+        return forward(model, state, taps, inputs)
+
+    monkeypatch.setattr(prefill_graphs, "padded_prefill", spy)
+    return shapes
 
 
 def assert_same_prefill_bits(engine, slot, result, other, other_slot, expected, num_tokens):

@@ -79,25 +79,18 @@ def test_prefill_together_bench_times_shared_and_one_by_one_prefills(causal_lm_d
     """bench.prefill_together's measurement on a tiny CPU engine: both ways run, and the
     shared way prefills the prompts in forwards of the engine's group size."""
     from bench.prefill_together import measure
-    from target_service import prefill_graphs
     from target_service.engine import TargetEngine
     from target_service.model.loader import load_target_model
     from target_service.model.state import StateShape
+    from tests.prefill_checks import record_padded_forwards
 
     model = load_target_model(causal_lm_dir)
     shape = StateShape(max_slots=4, max_len=64)
     engine = TargetEngine(model, shape, prefill_run_tokens=(16, 32), prefill_batch_rows=64)
-    forwards = []
-    forward = prefill_graphs.padded_prefill
-
-    def spy(model, state, taps, inputs):
-        forwards.append(tuple(inputs.shape))
-        return forward(model, state, taps, inputs)
-
-    monkeypatch.setattr(prefill_graphs, "padded_prefill", spy)
+    forwards = record_padded_forwards(monkeypatch)
     row = measure(engine, 20, 3, repeats=1)
     assert row["run_tokens"] == 32 and row["prompts_per_forward"] == 2
     assert row["shared_ms"] > 0 and row["one_by_one_ms"] > 0
     # Two warm-up runs and one timed run each way: shared in forwards of 2 + 1, then alone.
-    assert forwards == [(34, 2), (34, 1)] * 3 + [(34, 1)] * 3 * 3
+    assert forwards == [(2, 32), (1, 32)] * 3 + [(1, 32)] * 3 * 3
     assert engine.slots.num_active == 0

@@ -14,10 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from target_service import prefill_graphs
 from target_service.engine import TargetEngine
 from target_service.model.state import StateShape
-from tests.prefill_checks import greedy_tokens
+from tests.prefill_checks import greedy_tokens, record_padded_forwards
 
 TAP = 1
 MAX_LEN = 96
@@ -33,20 +32,13 @@ def prefill_both(model, prompt, run_tokens):
     """(engine, slot, result) with the run lengths and without; the padded engine's forward
     is checked to have run at the shortest run length that holds the prompt."""
     padded, plain = new_engine(model, run_tokens), new_engine(model)
-    lengths = []
-    forward = prefill_graphs.padded_prefill
-
-    def spy(model, state, taps, inputs):
-        lengths.append(inputs.shape[0] - 2)
-        return forward(model, state, taps, inputs)
-
     results = []
-    for engine in (padded, plain):
-        slot = engine.open_sequence()
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(prefill_graphs, "padded_prefill", spy)
+    with pytest.MonkeyPatch.context() as patch:
+        forwards = record_padded_forwards(patch)
+        for engine in (padded, plain):
+            slot = engine.open_sequence()
             results.append((engine, slot, engine.prefill(slot, prompt)))
-    assert lengths == [min(t for t in run_tokens if t >= len(prompt))]
+    assert forwards == [(1, min(t for t in run_tokens if t >= len(prompt)))]
     return results
 
 

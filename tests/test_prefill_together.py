@@ -25,7 +25,7 @@ from target_service.speculative_step import (
     prefill_and_choose,
     run_target_batch,
 )
-from tests.prefill_checks import assert_same_prefill_bits, greedy_tokens
+from tests.prefill_checks import assert_same_prefill_bits, greedy_tokens, record_padded_forwards
 
 TAP = 1
 RUN_TOKENS = (16, 32, 64)
@@ -48,19 +48,6 @@ def new_engine(model, prefill_batch_rows=128, run_tokens=RUN_TOKENS, max_slots=4
     )
 
 
-def count_forwards(monkeypatch):
-    """The [prompts, run length] of every padded prefill forward from now on."""
-    shapes = []
-    forward = prefill_graphs.padded_prefill
-
-    def spy(model, state, taps, inputs):
-        shapes.append((inputs.shape[1], inputs.shape[0] - 2))
-        return forward(model, state, taps, inputs)
-
-    monkeypatch.setattr(prefill_graphs, "padded_prefill", spy)
-    return shapes
-
-
 def assert_each_as_alone(model, engine, slots, prompts, results):
     for slot, prompt, result in zip(slots, prompts, results, strict=True):
         alone = new_engine(model, prefill_batch_rows=0)
@@ -76,7 +63,7 @@ def test_prompts_prefilled_together_equal_each_alone_on_the_reference_path(
 ):
     engine = new_engine(reference_model)
     slots = [engine.open_sequence() for _ in PROMPTS]
-    forwards = count_forwards(monkeypatch)
+    forwards = record_padded_forwards(monkeypatch)
     results = engine.prefill_together(slots, list(PROMPTS))
     assert forwards == [(3, 32)]
     monkeypatch.undo()
@@ -227,7 +214,7 @@ def test_sessions_starting_together_share_prefill_forwards(reference_model, monk
     target = InProcessTarget(engine, max_wait_us=LONG_WAIT_US)
     vocab = reference_model.config.vocab_size
     prompts = [*PROMPTS, [2] * 40, [2] * 5 + [vocab]]
-    forwards = count_forwards(monkeypatch)
+    forwards = record_padded_forwards(monkeypatch)
 
     async def start_all():
         sessions = [await target.open(SamplingParams()) for _ in prompts]
