@@ -79,6 +79,7 @@ def launch_every_variant() -> None:
     from dflash_serve.kernels.norm_rotary import norm_rotary
     from dflash_serve.kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
     from dflash_serve.kernels.row_matmul import (
+        WIDE_MIN_ROWS,
         MatmulConfig,
         matmul_config,
         row_matmul,
@@ -117,6 +118,8 @@ def launch_every_variant() -> None:
         n, k = (int(size) for size in key.split(":")[1].split("x"))
         x = torch.empty(16, k, dtype=torch.bfloat16)  # never touched: nothing runs
         row_matmul(x, torch.empty(n, k, dtype=torch.bfloat16), config=MatmulConfig(**tuned))
+        wide_x = torch.empty(WIDE_MIN_ROWS, k, dtype=torch.bfloat16)  # the wide launch
+        row_matmul(wide_x, torch.empty(n, k, dtype=torch.bfloat16), config=MatmulConfig(**tuned))
     # W4A16: each group size's planes-per-group path, a ragged K, 16/32/64-row tiles, split-K
     # 1 and > 1, programs of 32 outputs, then every tuned configuration.
     for shape in w4a16_tests.SHAPES:
@@ -145,6 +148,7 @@ def launch_every_variant() -> None:
         )
         for config in launches:
             w4a16_matmul(torch.empty(16, k, dtype=torch.bfloat16), weight, config=config)
+        w4a16_matmul(torch.empty(WIDE_MIN_ROWS, k, dtype=torch.bfloat16), weight)  # wide
     rows = torch.randn(4, 64, dtype=torch.bfloat16)
     for zero_centred in (False, True):
         rms_norm(rows, torch.ones(64), 1e-6, zero_centred)

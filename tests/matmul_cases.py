@@ -25,3 +25,15 @@ def assert_close_to_fp32(y: torch.Tensor, reference: torch.Tensor) -> None:
     assert y.dtype == torch.bfloat16 and reference.dtype == torch.float32
     scale = reference.abs().max().item()
     torch.testing.assert_close(y.float(), reference, rtol=2**-8, atol=2**-10 * scale)
+
+
+def assert_wide_launch_gives_split_bits(matmul, x, weight, config, wide) -> torch.Tensor:
+    """`matmul` (row_matmul or w4a16_matmul) through the wide launch `wide` gives the split
+    launch's bits for `config`'s K splits, and with keep_splits the same bf16 result (no
+    partials); returns that result."""
+    expected = matmul(x, weight, config=config, wide=None)
+    y = matmul(x, weight, config=config, wide=wide)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+    kept = matmul(x, weight, config=config, keep_splits=True, wide=wide)
+    assert isinstance(kept, torch.Tensor) and torch.equal(kept, expected)
+    return y

@@ -592,6 +592,19 @@ def test_qwen35_4b_shaped_prompts_prefilled_together_equal_each_alone(tmp_path, 
     assert_prefilled_together_as_alone(model, (1, 2), longer, 128)
 
 
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layout", "int4_reads"), LAYOUTS_AND_READS)
+def test_qwen35_4b_shaped_wide_prefill_equals_each_prompt_alone(tmp_path, layout, int4_reads):
+    """Four prompts of 200..245 tokens in the prefill graph of (4, 256): 1024 rows, which the
+    row kernels' wide launch computes (WIDE_MIN_ROWS), against each prompt alone, 256 rows
+    through the split launch."""
+    model = qwen35_4b_shaped_model(tmp_path, layout, int4_reads, max_kernel_rows=1024)
+    vocab = model.config.vocab_size
+    prompts = [[(i * 11 + j * 7) % vocab for j in range(200 + 15 * i)] for i in range(4)]
+    assert_prefilled_together_as_alone(model, (1, 4), prompts, 256)
+
+
 def solo_logits(engine, tokens, prompt_length):
     """Every row of a sequence decoded alone: the prompt as verify blocks committed whole,
     then one token per verify. Row i predicts token i + 1 given tokens 0..i."""

@@ -15,13 +15,21 @@ import torch
 from dflash_serve.kernels import row_matmul as row_matmul_module
 from dflash_serve.kernels.row_matmul import (
     BLOCK_M,
+    WIDE_MIN_ROWS,
+    WideLaunch,
     matmul_config,
     row_matmul,
     row_matmul_reference,
     sum_splits,
 )
 from dflash_serve.layers.split_sums import SplitSums
-from tests.matmul_cases import DEVICE, assert_close_to_fp32, random_rows, random_weight
+from tests.matmul_cases import (
+    DEVICE,
+    assert_close_to_fp32,
+    assert_wide_launch_gives_split_bits,
+    random_rows,
+    random_weight,
+)
 
 # (N, K): N tiles masked or two with a ragged one; SPLIT_K 1 and > 1, a ragged last split (3
 # splits over 5 blocks), a K tail; test_shapes_cover_both_split_paths checks the splits.
@@ -147,6 +155,60 @@ def test_swapped_operands_keep_rows_independent(block_m, row_tiles):
         assert torch.equal(row_matmul(x[rows], weight, config=config), y37[rows]), rows
 
 
+def wide_rows(k: int, seed: int) -> torch.Tensor:
+    """More rows than WIDE_MIN_ROWS, with a ragged last row tile."""
+    return random_rows(WIDE_MIN_ROWS + 45, k, seed=seed)
+
+
+def with_interpreter_tiles(config):
+    """(config, WideLaunch) whose dots are of one shape: under the interpreter a tile's dot is
+    numpy's fp32 matmul, whose order may follow the tile's shape (on the GPU every tile shape
+    runs the same MMA chain; the GPU test below checks the shipped tiles)."""
+    config = dataclasses.replace(config, block_m=64)
+    return config, WideLaunch(block_m=64, block_n=config.block_n, group_m=3)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_wide_launch_gives_the_split_launch_bits(shape):
+    """Many rows (prefill) take the wide launch: one program per output tile adding the K
+    splits up as it goes, in groups of row tiles, with ragged row, column and K tiles."""
+    n, k = shape
+    weight = make_weight(n, k)
+    config, wide = with_interpreter_tiles(matmul_config(n, k))
+    x = wide_rows(k, seed=14)
+    y = assert_wide_launch_gives_split_bits(row_matmul, x, weight, config, wide)
+    assert_close_to_reference(y, x, weight)
+
+
+def test_wide_launch_adds_splits_in_order():
+    """The cancelling splits of test_split_sum_order_is_fixed through the wide launch: each
+    split's sum starts from zero and joins the total in order, so splits 0 and 1 still cancel
+    exactly (one running sum over all of K would not)."""
+    n, k = SHAPES[1]
+    config, wide = with_interpreter_tiles(matmul_config(n, k))
+    num_cancelling = config.k_per_split
+    big = random_weight(n, num_cancelling, seed=7).bfloat16()
+    small = random_weight(n, k - 2 * num_cancelling, seed=8).bfloat16()
+    weight = torch.cat((big, -big, small), dim=1)
+    rows = WIDE_MIN_ROWS + 3
+    x_big = random_rows(rows, num_cancelling, seed=9) * 2**20
+    x_small = random_rows(rows, k - 2 * num_cancelling, seed=10)
+    x = torch.cat((x_big, x_big, x_small), dim=1)
+    y = row_matmul(x, weight, config=config, wide=wide)
+    assert_close_to_reference(y, x_small, small)
+    assert torch.equal(y, row_matmul(x, weight, config=config, wide=None))
+
+
+def test_fewer_rows_than_wide_min_take_the_split_launch(monkeypatch):
+    n, k = SHAPES[1]
+    launched = []
+    monkeypatch.setattr(row_matmul_module, "_wide_matmul", lambda *args: launched.append(args))
+    row_matmul(random_rows(WIDE_MIN_ROWS - 1, k, seed=1), make_weight(n, k))
+    assert launched == []
+    row_matmul(random_rows(WIDE_MIN_ROWS, k, seed=1), make_weight(n, k))
+    assert len(launched) == 1
+
+
 def test_row_tiles_must_be_a_power_of_two_up_to_8():
     with pytest.raises(ValueError, match="row_tiles must be"):
         dataclasses.replace(matmul_config(*SHAPES[1]), row_tiles=3)
@@ -248,3 +310,20 @@ def test_qwen35_4b_shapes(name):
     for row in (0, 7, 77, 127):
         assert torch.equal(row_matmul(x[row : row + 1], weight)[0], y128[row])
     assert_rows_independent(x[:37], weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(QWEN35_4B_SHAPES))
+def test_qwen35_4b_shapes_wide_launch(name):
+    """The shipped WideLaunch tiles give the split launch's bits on the GPU (its MMA chain per
+    output element does not depend on the tile's size), so a prompt's rows are the same
+    whether it is prefilled alone or with others, at any row count."""
+    n, k = QWEN35_4B_SHAPES[name]
+    weight = make_weight(n, k)
+    x = random_rows(2 * WIDE_MIN_ROWS + 77, k, seed=15)
+    y = row_matmul(x, weight)
+    assert torch.equal(y.view(torch.int16), row_matmul(x, weight, wide=None).view(torch.int16))
+    assert_close_to_reference(y, x, weight)
+    assert torch.equal(row_matmul(x[:BLOCK_M], weight), y[:BLOCK_M])
+    assert torch.equal(row_matmul(x[-WIDE_MIN_ROWS:], weight), y[-WIDE_MIN_ROWS:])

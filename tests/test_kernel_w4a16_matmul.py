@@ -22,6 +22,7 @@ from dflash_serve.checkpoint.int4_formats import (
     pack_awq_gemm,
     pack_compressed_tensors,
 )
+from dflash_serve.kernels.row_matmul import WIDE_MIN_ROWS, WideLaunch
 from dflash_serve.kernels.w4a16_matmul import (
     TILE_K,
     W4A16Config,
@@ -33,7 +34,13 @@ from dflash_serve.kernels.w4a16_matmul import (
     w4a16_reference,
 )
 from dflash_serve.layers.split_sums import SplitSums
-from tests.matmul_cases import DEVICE, assert_close_to_fp32, random_rows, random_weight
+from tests.matmul_cases import (
+    DEVICE,
+    assert_close_to_fp32,
+    assert_wide_launch_gives_split_bits,
+    random_rows,
+    random_weight,
+)
 
 KINDS = ["awq", "ct_symmetric", "ct_asymmetric"]
 # (N, K, group): several groups per tile of 256 inputs (32, 64, 128: the zeros differ between
@@ -152,6 +159,50 @@ def test_kept_splits_sum_to_the_result(shape):
     assert torch.equal(kept.total(), expected)
 
 
+@pytest.mark.parametrize("shape", [(40, 1280, 64), SHAPES[0], SHAPES[6]])
+def test_wide_launch_gives_the_split_launch_bits(shape):
+    """Many rows (prefill) take the wide launch: one program per output tile walking every
+    split, summed in split order, in groups of row tiles; ragged rows, columns and K. Tiles
+    of the split launch's shape (under the interpreter a dot's order may follow its shape;
+    the GPU test below checks the shipped tiles)."""
+    weight, _, config = planar_case("awq", shape)
+    config = dataclasses.replace(config, block_m=64)
+    wide = WideLaunch(block_m=64, block_n=config.block_n, group_m=3)
+    x = random_rows(WIDE_MIN_ROWS + 45, shape[1], seed=12)
+    y = assert_wide_launch_gives_split_bits(w4a16_matmul, x, weight, config, wide)
+    assert_close_to_reference(y, x, weight)
+
+
+def test_wide_launch_adds_splits_in_order():
+    """Splits 0 and 1 cancel exactly (weights W and -W: every nibble q and zero z flipped to
+    15 - q, 15 - z, against equal inputs of 2^20) and split 2 is what is left: only sums that
+    restart at each split and join the total in order keep split 2's bits."""
+    n, group_size = 40, 64
+    config = W4A16Config.over_splits(3, 1, block_n=32, block_m=64)
+    wide = WideLaunch(block_m=64, block_n=32, group_m=2)
+    part = repack_planar(packed_weight("awq", n, TILE_K, group_size, seed=13))
+    small = repack_planar(packed_weight("awq", n, TILE_K, group_size, seed=14))
+    negated = dataclasses.replace(part, words=~part.words, zeros=15 - part.zeros)
+    thirds = (part, negated, small)
+    weight = dataclasses.replace(
+        part,
+        words=torch.cat([third.words for third in thirds]),
+        scales=torch.cat([third.scales for third in thirds]),
+        zeros=torch.cat([third.zeros for third in thirds]),
+        in_features=3 * TILE_K,
+    )
+    dense = [third.dequantize(torch.float32) for third in thirds]
+    assert torch.equal(dense[1], -dense[0])
+    assert torch.equal(weight.dequantize(torch.float32), torch.cat(dense, dim=1))
+    rows = WIDE_MIN_ROWS + 3
+    x_big = random_rows(rows, TILE_K, seed=15) * 2**20
+    x_small = random_rows(rows, TILE_K, seed=16)
+    x = torch.cat((x_big, x_big, x_small), dim=1)
+    y = w4a16_matmul(x, weight, config=config, wide=wide)
+    assert_close_to_fp32(y, x_small.float() @ dense[2].t())
+    assert torch.equal(y, w4a16_matmul(x, weight, config=config, wide=None))
+
+
 def test_stacked_weights_give_each_weight_its_columns():
     first, _, config = planar_case("awq", (48, 256, 32), seed=5)
     second, _, _ = planar_case("ct_asymmetric", (40, 256, 32), seed=6)
@@ -240,3 +291,19 @@ def test_qwen35_4b_shapes(kind, name):
     eye = torch.eye(k, device=DEVICE, dtype=torch.bfloat16)[::37]
     expected = packed.dequantize(torch.bfloat16).t()[::37]
     assert torch.equal(w4a16_matmul(eye, weight), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(QWEN35_4B_SHAPES))
+def test_qwen35_4b_shapes_wide_launch(name):
+    """The shipped wide tiles give the split launch's bits on the GPU, so a prompt's rows are
+    the same whether it is prefilled alone or with others, at any row count."""
+    n, k = QWEN35_4B_SHAPES[name]
+    weight = repack_planar(packed_weight("awq", n, k, QWEN35_GROUP))
+    x = random_rows(2 * WIDE_MIN_ROWS + 77, k, seed=17)
+    y = w4a16_matmul(x, weight)
+    assert torch.equal(y.view(torch.int16), w4a16_matmul(x, weight, wide=None).view(torch.int16))
+    assert_close_to_reference(y, x, weight)
+    assert torch.equal(w4a16_matmul(x[:16], weight), y[:16])
+    assert torch.equal(w4a16_matmul(x[-WIDE_MIN_ROWS:], weight), y[-WIDE_MIN_ROWS:])

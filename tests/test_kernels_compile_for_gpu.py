@@ -18,6 +18,7 @@ from tests.test_kernel_w4a16_matmul import SHAPES as W4A16_SHAPES
 
 KERNELS = [
     "_row_matmul_kernel",
+    "_wide_matmul_kernel",
     "_sum_splits_kernel",
     "_w4a16_kernel",
     "_rms_norm_kernel",
@@ -54,9 +55,11 @@ def test_every_kernel_compiles_for_sm90():
     assert len(row_matmul_variants) == 20 + len(tuned_configs())
     w4a16_variants = [line for line in result.stdout.splitlines() if "_w4a16_kernel" in line]
     # the test shapes, 16/32/64-row tiles × two splits, 32-wide programs of 16 and 64 rows,
-    # then every tuned configuration
+    # then every tuned configuration and each tuned shape's wide launch
     tuned = sum(len(launches) for launches in w4a16_tuned_launches().values())
-    assert len(w4a16_variants) == len(W4A16_SHAPES) + 6 + 2 + tuned
+    assert len(w4a16_variants) == len(W4A16_SHAPES) + 6 + 2 + tuned + len(w4a16_tuned_launches())
+    wide_variants = [line for line in result.stdout.splitlines() if "_wide_matmul_kernel" in line]
+    assert len(wide_variants) == len(tuned_configs())
     assert sum("'BLOCK_N': 32," in line for line in w4a16_variants) >= 2
 
 

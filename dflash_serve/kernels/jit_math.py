@@ -94,6 +94,19 @@ def dot_in(a, b, acc, DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(pid, M, BLOCK_M: tl.constexpr, NUM_COL_TILES: tl.constexpr,
+                 GROUP_M: tl.constexpr):  # fmt: skip
+    """(row tile, column tile) of program `pid` in a one-dimensional grid of output tiles:
+    GROUP_M consecutive row tiles take a column band together, so the programs running at
+    one time share weight tiles (in L2) as well as row tiles."""
+    per_group = GROUP_M * NUM_COL_TILES
+    first_row_tile = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_row_tile, GROUP_M)
+    in_group = pid % per_group
+    return first_row_tile + in_group % group_rows, in_group // group_rows
+
+
+@triton.jit
 def store_row_tile(
     out_ptr, acc, row0, offs_n, M, N, stride_os, stride_om,
     BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_ON_BITS: tl.constexpr,

@@ -28,6 +28,7 @@ import triton.language as tl
 from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import (
     dot_in,
+    grouped_tile,
     round_to,
     store_row_tile,
     summed_splits,
@@ -45,6 +46,8 @@ MIN_BLOCKS_PER_SPLIT = 2
 MIN_DOT_K = 16
 REDUCE_BLOCK = 1024
 TUNED_CONFIGS_PATH = Path(__file__).with_name("row_matmul_configs.json")
+# Calls of at least this many rows (prompts prefilled on the kernel path) take `WideLaunch`.
+WIDE_MIN_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,29 @@ class MatmulConfig:
             row_tiles=row_tiles,
             swap_ab=swap_ab,
         )
+
+
+@dataclass(frozen=True)
+class WideLaunch:
+    """How a call of many rows (prefill) is tiled: one program per block_m × block_n output
+    tile that walks all of K, adding the shape's K splits (its `MatmulConfig`) up in split
+    order as it goes. A row's bits are those of the split launch, without fp32 partials in
+    memory or a second kernel, and each weight tile feeds block_m rows, not 16 or 64.
+    Programs of group_m consecutive row tiles share a column band (its weight tiles stay in
+    L2 while they are read)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+
+# 128 × 128, 8 warps, 3 stages: on an H100 (2026-12-05, bench/results/
+# prefill-wide-launch-2026-12-05-nvidia-h100.json) the per-forward matmul time at 512 / 1024 /
+# 2048 rows fell from 12.8 / 24.7 / 48.3 ms (split launch) to 8.7 / 16.9 / 31.5 ms, cuBLAS
+# 5.5 / 10.3 / 19.5 ms; same bits for every tile shape tried.
+WIDE_LAUNCH = WideLaunch()
 
 
 def matmul_config(n: int, k: int) -> MatmulConfig:
@@ -298,6 +324,36 @@ def _row_matmul_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
+def _wide_matmul_kernel(
+    x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_om,
+    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+):  # fmt: skip
+    """Program p: one output tile (`grouped_tile`). Each split's sum starts from zero, as in
+    `_row_matmul_kernel`, and joins the total when the split ends: total = ((s0 + s1) + s2)
+    …, the order of `summed_splits`."""
+    wait_for_inputs()
+    row_tile, col_tile = grouped_tile(tl.program_id(0), M, BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N,
+                                      GROUP_M)  # fmt: skip
+    row0 = row_tile * BLOCK_M
+    offs_n = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = _weight_tile(w_ptr, stride_wn, offs_k, offs_n, N, K, False)
+        acc = _x_tile_dot(
+            x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w, acc, BLOCK_M, DOT_IN_FP32, False
+        )
+        if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):
+            total += acc
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    store_row_tile(out_ptr, total, row0, offs_n, M, N, 0, stride_om, BLOCK_M, 1,
+                   ROUND_ON_BITS, False)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(
     partial_ptr, out_ptr, M, stride_om,
     N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
@@ -330,6 +386,7 @@ def row_matmul(
     out: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
     keep_splits: bool = False,
+    wide: WideLaunch | None = WIDE_LAUNCH,
 ) -> torch.Tensor | SplitSums:
     """`x @ weightᵀ` with fp32 accumulation and one rounding to bf16; rows are independent.
 
@@ -339,12 +396,18 @@ def row_matmul(
     (split-K partials) depends on shapes alone.
     keep_splits: where the shape's configuration splits K, return the partial sums unsummed
     (`SplitSums`, for a consumer that adds them up itself; `out` is then not written).
+    wide: how calls of at least WIDE_MIN_ROWS rows are tiled (`WideLaunch`: same bits, splits
+    summed inside; such a call returns the bf16 result even with keep_splits, which its
+    consumers turn into the same bits); None: every call through the split launch.
     """
     n, k = _check_weight(weight, x)
     check_rows(x, k)
     m = x.shape[0]
     if config is None:  # (explicit configs: tuning and tests only, never per call site)
         config = matmul_config(n, k)
+    if wide is not None and m >= WIDE_MIN_ROWS and not config.swap_ab:
+        return _wide_matmul(x, weight, RowOutput.for_call(x, n, 1, out, keep_splits).out,
+                            config, wide)  # fmt: skip
     target = RowOutput.for_call(x, n, config.split_k, out, keep_splits)
     if m == 0:
         return target.result()
@@ -363,6 +426,24 @@ def row_matmul(
         **shape_args, **launch_args,
     )  # fmt: skip
     return target.result()
+
+
+def _wide_matmul(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: MatmulConfig,
+    wide: WideLaunch,
+) -> torch.Tensor:  # fmt: skip
+    """`row_matmul` through `_wide_matmul_kernel`: config's K order, wide's tiles."""
+    m, (n, k) = x.shape[0], weight.shape
+    grid = (triton.cdiv(m, wide.block_m) * triton.cdiv(n, wide.block_n),)
+    is_interpreted = is_interpreting()
+    _wide_matmul_kernel[grid](
+        x, weight, out, m, x.stride(0), weight.stride(0), out.stride(0), N=n, K=k,
+        K_PER_SPLIT=config.k_per_split, BLOCK_M=wide.block_m, BLOCK_N=wide.block_n,
+        BLOCK_K=config.block_k, GROUP_M=wide.group_m, DOT_IN_FP32=is_interpreted,
+        ROUND_ON_BITS=is_interpreted, num_warps=wide.num_warps, num_stages=wide.num_stages,
+        **launch_options(),
+    )  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True)

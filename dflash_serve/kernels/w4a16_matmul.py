@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,19 +41,24 @@ import triton.language as tl
 
 from dflash_serve.checkpoint.int4_formats import NIBBLES_PER_WORD, PackedInt4Weight, unpack_int4
 from dflash_serve.kernels import is_interpreting, launch_options
-from dflash_serve.kernels.jit_math import dot_in, store_row_tile, wait_for_inputs
-from dflash_serve.kernels.row_matmul import RowOutput, check_rows
+from dflash_serve.kernels.jit_math import dot_in, grouped_tile, store_row_tile, wait_for_inputs
+from dflash_serve.kernels.row_matmul import WIDE_MIN_ROWS, RowOutput, WideLaunch, check_rows
 from dflash_serve.layers.split_sums import SplitSums
 
 PLANE_K = 32
 TILE_K = NIBBLES_PER_WORD * PLANE_K
-BLOCK_MS = (16, 32, 64)
+BLOCK_MS = (16, 32, 64)  # the split launch's row tiles (bench.tune_w4a16 sweeps them)
+ANY_BLOCK_M = (*BLOCK_MS, 128)  # 128: the wide launch's (WIDE_LAUNCH)
 NUM_SMS = 132  # H200; a constant, so the config never depends on the machine either
 MIN_PROGRAMS = 2 * NUM_SMS
 MIN_TILES_PER_SPLIT = 2
 # Row counts a tuned shape has a launch for: up to one verify block, and anything more.
 ROW_BUCKETS = (16, None)
 LAUNCH_FIELDS = ("block_n", "block_m", "num_warps", "num_stages")
+# How calls of at least WIDE_MIN_ROWS rows (prefill) are tiled: of the tiles tried on an H100
+# (2026-12-05, bench/results/prefill-wide-launch-2026-12-05-nvidia-h100.json) the fastest
+# for gate+up and down at 512-2048 rows, all with the split launch's bits.
+WIDE_LAUNCH = WideLaunch(block_m=128, block_n=128, num_warps=8, num_stages=3)
 TUNED_CONFIGS_PATH = Path(__file__).with_name("w4a16_configs.json")
 
 
@@ -146,8 +151,8 @@ class W4A16Config:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        if self.block_m not in BLOCK_MS:
-            raise ValueError(f"block_m must be one of {BLOCK_MS}, got {self.block_m}")
+        if self.block_m not in ANY_BLOCK_M:
+            raise ValueError(f"block_m must be one of {ANY_BLOCK_M}, got {self.block_m}")
 
     @classmethod
     def over_splits(cls, num_tiles: int, tiles_per_split: int, **launch: int) -> W4A16Config:
@@ -386,19 +391,34 @@ def _w4a16_kernel(
     N: tl.constexpr, K: tl.constexpr, GROUP_SIZE: tl.constexpr, PLANE_K: tl.constexpr,
     PLANES_PER_GROUP: tl.constexpr, RAGGED_K: tl.constexpr, NUM_TILES: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, SPLITS_IN_PROGRAM: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """Program (j, i, s): outputs j·BLOCK_N.., rows i·BLOCK_M.., K split s; acc holds the
-    tile transposed, [BLOCK_N, BLOCK_M] (the weight on the MMA's tall side)."""
+    tile transposed, [BLOCK_N, BLOCK_M] (the weight on the MMA's tall side).
+    SPLITS_IN_PROGRAM (the wide launch, one program per output tile of a one-dimensional grid,
+    `grouped_tile`): the program walks every
+    split, each summed from zero and added to the total in split order as it ends (the order
+    of `summed_splits`), and stores the bf16 result."""
     wait_for_inputs()
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLITS_IN_PROGRAM:
+        row_tile, col_tile = grouped_tile(tl.program_id(0), M, BLOCK_M,
+                                          (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)  # fmt: skip
+    else:
+        row_tile, col_tile = tl.program_id(1), tl.program_id(0)
+    offs_n = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    row0 = tl.program_id(1) * BLOCK_M
+    row0 = row_tile * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    first = tl.program_id(2) * TILES_PER_SPLIT
-    last = tl.minimum(first + TILES_PER_SPLIT, NUM_TILES) - 1
+    if SPLITS_IN_PROGRAM:
+        first = 0
+        last = NUM_TILES - 1
+    else:
+        first = tl.program_id(2) * TILES_PER_SPLIT
+        last = tl.minimum(first + TILES_PER_SPLIT, NUM_TILES) - 1
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     scales = _tile_scales(s_ptr, first, offs_n, n_mask, N, GROUP_SIZE, PLANE_K,
                           PLANES_PER_GROUP)  # fmt: skip
     for tile in range(first, last + 1):
@@ -408,8 +428,16 @@ def _w4a16_kernel(
                          n_mask, acc, N, K, GROUP_SIZE, PLANE_K, PLANES_PER_GROUP, BLOCK_N,
                          BLOCK_M, RAGGED_K, INTERPRETED)  # fmt: skip
         scales = upcoming
-    store_row_tile(out_ptr, acc, row0, offs_n, M, N, stride_os, stride_om, BLOCK_M, SPLIT_K,
-                   INTERPRETED, True)  # fmt: skip
+        if SPLITS_IN_PROGRAM:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if ((tile + 1) % TILES_PER_SPLIT == 0) | (tile == last):
+                total += acc
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if SPLITS_IN_PROGRAM:
+        store_row_tile(out_ptr, total, row0, offs_n, M, N, 0, stride_om, BLOCK_M, 1,
+                       INTERPRETED, True)  # fmt: skip
+    else:
+        store_row_tile(out_ptr, acc, row0, offs_n, M, N, stride_os, stride_om, BLOCK_M,
+                       SPLIT_K, INTERPRETED, True)  # fmt: skip
 
 
 def w4a16_matmul(
@@ -418,6 +446,7 @@ def w4a16_matmul(
     out: torch.Tensor | None = None,
     config: W4A16Config | None = None,
     keep_splits: bool = False,
+    wide: WideLaunch | None = WIDE_LAUNCH,
 ) -> torch.Tensor | SplitSums:
     """`x @ Wᵀ` for a 4-bit W with fp32 accumulation and one rounding to bf16; rows are
     independent.
@@ -427,23 +456,33 @@ def w4a16_matmul(
     synchronisation; the only allocation (split-K partials) depends on shapes alone.
     keep_splits: where K is split, return the partial sums unsummed (`SplitSums`, for a
     consumer that adds them in split order itself; `out` is then not written).
+    wide: how calls of at least WIDE_MIN_ROWS rows are tiled (config's K split summed inside
+    each program; the bf16 result even with keep_splits, as for `row_matmul`); None: every
+    call through the split launch.
     """
     n, k = _check(x, weight)
     m = x.shape[0]
     if config is None:  # (explicit configs: tuning and tests only, never per call site)
         config = w4a16_config(n, k, weight.group_size, m)
-    target = RowOutput.for_call(x, n, config.split_k, out, keep_splits)
+    is_wide = wide is not None and m >= WIDE_MIN_ROWS
+    target = RowOutput.for_call(x, n, 1 if is_wide else config.split_k, out, keep_splits)
     if m == 0:
         return target.result()
     stride_os, stride_om = target.strides
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
+    if is_wide:
+        tiles = {"block_n": wide.block_n, "block_m": wide.block_m}
+        config = replace(config, **tiles, num_warps=wide.num_warps, num_stages=wide.num_stages)
+        grid = (triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m),)
+    else:
+        grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
     _w4a16_kernel[grid](
         x, weight.words, weight.scales, weight.zeros, target.written, m, x.stride(0), stride_os,
         stride_om, N=n, K=k, GROUP_SIZE=weight.group_size, PLANE_K=PLANE_K,
         PLANES_PER_GROUP=min(NIBBLES_PER_WORD, weight.group_size // PLANE_K),
         RAGGED_K=k % TILE_K != 0, NUM_TILES=weight.num_tiles,
         TILES_PER_SPLIT=config.tiles_per_split, SPLIT_K=config.split_k,
-        BLOCK_N=config.block_n, BLOCK_M=config.block_m, INTERPRETED=is_interpreting(),
+        BLOCK_N=config.block_n, BLOCK_M=config.block_m, SPLITS_IN_PROGRAM=is_wide,
+        GROUP_M=wide.group_m if is_wide else 1, INTERPRETED=is_interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(),
     )  # fmt: skip
     return target.result()
