@@ -10,7 +10,11 @@ import sys
 from dflash_serve.errors import DflashError
 from dflash_serve.layers.int4_reads import INT4_READS
 from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US, DTYPE_CHOICES
-from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS, DEFAULT_PREFILL_GRAPH_TOKENS
+from target_service.config import (
+    DEFAULT_PREFILL_BATCH_ROWS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    DEFAULT_PREFILL_GRAPH_TOKENS,
+)
 
 
 def parse_ids(text: str) -> tuple[int, ...]:
@@ -154,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         + ")",
     )
     target.add_argument(
+        "--prefill-batch-rows",
+        type=int,
+        default=DEFAULT_PREFILL_BATCH_ROWS,
+        help="GPU fast path: prompts of sessions starting together share a prefill forward of "
+        f"up to this many rows, prompts × padded length (default {DEFAULT_PREFILL_BATCH_ROWS})",
+    )
+    target.add_argument(
         "--int4-reads",
         choices=INT4_READS,
         default=INT4_READS[0],
@@ -226,6 +237,7 @@ def run_target(args: argparse.Namespace) -> None:
         tap_layer_ids=tuple(taps),
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_graph_tokens=args.prefill_graph_tokens,
+        prefill_batch_rows=args.prefill_batch_rows,
         int4_reads=args.int4_reads,
         service=service_settings(args),
     )

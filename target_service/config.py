@@ -19,6 +19,12 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 # next one (target_service/prefill_graphs.py): at most twice the prompt below 512 tokens,
 # where reading the weights rather than the padding's work sets the time; 1.5× above.
 DEFAULT_PREFILL_GRAPH_TOKENS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+# Prompts of sessions that start together share a padded prefill forward of up to this many
+# rows (prompts × run length) on the GPU fast path, and calls of up to this many rows (or the
+# scheduler's largest verify batch, if more) run on the row-independent kernels. 256 is the
+# default scheduler's verify batch (16 × 16), as before the flag. More rows take the kernels'
+# wide launch (from WIDE_MIN_ROWS = 512), whose bits on the GPU are not yet checked: README.
+DEFAULT_PREFILL_BATCH_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,13 @@ class TargetServiceConfig:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS  # GPU fast path only
     int4_reads: str = INT4_READS[0]  # what the GPU kernels read for 4-bit layers
+    prefill_batch_rows: int = DEFAULT_PREFILL_BATCH_ROWS  # GPU fast path only
     service: ServiceSettings = field(default_factory=ServiceSettings)
+
+    def kernel_rows(self, verify_rows: int) -> int:
+        """Rows up to which calls take the row-independent kernels on the GPU fast path: the
+        scheduler's largest verify batch and the shared prefills' forwards must both fit."""
+        return max(verify_rows, self.prefill_batch_rows)
 
     def validate(self) -> None:
         self.service.validate("target")
@@ -38,5 +50,7 @@ class TargetServiceConfig:
             raise ConfigError(
                 f"prefill_graph_tokens must all be >= 1, got {self.prefill_graph_tokens}"
             )
+        if self.prefill_batch_rows < 1:
+            raise ConfigError(f"prefill_batch_rows must be >= 1, got {self.prefill_batch_rows}")
         if self.int4_reads not in INT4_READS:
             raise ConfigError(f"int4_reads must be one of {INT4_READS}, got {self.int4_reads!r}")

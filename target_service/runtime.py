@@ -36,9 +36,8 @@ class TargetRuntime:
         graph_batch_sizes = tuple(range(1, service.max_batch_size + 1)) if is_fast else ()
         with fast_path_startup(is_fast):
             if is_fast:
-                model.use_gpu_kernels(
-                    service.max_batch_size * shape.max_block_tokens, config.int4_reads
-                )
+                verify_rows = service.max_batch_size * shape.max_block_tokens
+                model.use_gpu_kernels(config.kernel_rows(verify_rows), config.int4_reads)
             self.engine = TargetEngine(
                 model,
                 shape,
@@ -47,6 +46,7 @@ class TargetRuntime:
                 share_features=service.device.startswith("cuda"),
                 graph_batch_sizes=graph_batch_sizes,
                 prefill_run_tokens=config.prefill_graph_tokens if is_fast else (),
+                prefill_batch_rows=config.prefill_batch_rows if is_fast else None,
             )
             if is_fast:
                 began = time.perf_counter()
