@@ -176,19 +176,19 @@ def build_target(
     fast_path: bool = True,
     int4_reads: str = INT4_READS[0],
     prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS,
-    kernel_rows: int | None = None,
+    prefill_batch_rows: int | None = None,
 ) -> TargetEngine:
-    """As the target service builds it: on a GPU, Triton kernels, verify graphs for
-    batches of 1..max_slots and prefill graphs (unless `fast_path` is off: the plain-torch
-    reference path); `int4_reads` and `prefill_graph_tokens` as the service's flags.
-    kernel_rows: calls of up to this many rows take the row kernels (None: the service's
-    max_slots × 16, which also bounds the prompts sharing a prefill forward)."""
+    """As the target service builds it: on a GPU, Triton kernels for up to max_slots × 16
+    rows, verify graphs for batches of 1..max_slots and prefill graphs (unless `fast_path`
+    is off: the plain-torch reference path); `int4_reads`, `prefill_graph_tokens` and
+    `prefill_batch_rows` as the service's flags (None here: the engine's default, the
+    kernels' rows)."""
     from target_service.model.loader import load_target_model
 
     model = load_target_model(model_dir, torch.bfloat16, device)
     graph_batch_sizes, prefill_run_tokens = (), ()
     if fast_path and device.startswith("cuda"):
-        model.use_gpu_kernels(kernel_rows or max_slots * BLOCK, int4_reads)
+        model.use_gpu_kernels(max_slots * BLOCK, int4_reads)
         graph_batch_sizes = tuple(range(1, max_slots + 1))
         prefill_run_tokens = prefill_graph_tokens
     shape = StateShape(max_slots, max_len)
@@ -198,6 +198,7 @@ def build_target(
         taps,
         graph_batch_sizes=graph_batch_sizes,
         prefill_run_tokens=prefill_run_tokens,
+        prefill_batch_rows=prefill_batch_rows if prefill_run_tokens else None,
     )
 
 

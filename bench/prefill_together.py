@@ -5,14 +5,14 @@ service builds it (verify and prefill graphs, 16 slots: row kernels up to 256 ro
 For each prompt length and number of prompts, the time from the first prompt's start to the
 last one's first token, through the target's batch function (`run_target_batch`: what the
 batcher runs when the prompts arrive together) and through `prefill_and_choose` per prompt
-(what ran before). `--kernel-rows` raises the rows the row kernels take (the service keeps
-max_slots × 16), and with it how many prompts share a forward: whether the row kernels
-stay fast enough at more rows is what that measures, against the cuBLAS path they replace
-(the single prompts of 256-1024 tokens: on cuBLAS above the budget, so run the default
-budget beside a raised one).
+(what ran before). `--prefill-batch-rows` is the service's flag: how many rows prompts of
+one run length may share (run lengths up to the 256 rows the row kernels take; the shared
+forward runs on them at any row count), so run the kernels' 256 beside a larger budget.
+The single prompts of 256-1024 tokens show that longer prompts keep cuBLAS.
 
 python -m bench.prefill_together --out bench/results/prefill-together-h200.json
-    [--lengths 32 64 128] [--counts 1 2 4 8] [--kernel-rows 256 1024] [--layout int4_all]
+    [--lengths 32 64 128] [--counts 1 2 4 8] [--prefill-batch-rows 256 1024]
+    [--layout int4_all]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from bench.measure_engine import build_target
 from bench.timing import median_ms, run_facts
 from dflash_serve.checkpoint.synthetic import LAYOUTS, QWEN35_4B_TEXT, write_target
 from dflash_serve.speculative.types import SamplingParams
+from target_service.config import DEFAULT_PREFILL_BATCH_ROWS
 from target_service.speculative_step import PrefillRequest, prefill_and_choose, run_target_batch
 
 MAX_SLOTS = 16
@@ -78,7 +79,12 @@ def main() -> None:
     parser.add_argument("--commit")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--kernel-rows", type=int, nargs="+", default=[MAX_SLOTS * 16])
+    parser.add_argument(
+        "--prefill-batch-rows",
+        type=int,
+        nargs="+",
+        default=[MAX_SLOTS * 16, DEFAULT_PREFILL_BATCH_ROWS],
+    )
     parser.add_argument("--layout", choices=LAYOUTS, default="int4_all")
     parser.add_argument("--solo-lengths", type=int, nargs="*", default=[256, 512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
@@ -90,18 +96,18 @@ def main() -> None:
     model_dir = write_target(
         Path(tempfile.mkdtemp()) / "t", QWEN35_4B_TEXT, args.layout, device="cuda"
     )
-    for rows in args.kernel_rows:
-        engine = build_target(model_dir, MAX_SLOTS, 2048 + 16, kernel_rows=rows)
-        by_rows = results.setdefault("kernel_rows", {})[str(rows)] = {}
+    for rows in args.prefill_batch_rows:
+        engine = build_target(model_dir, MAX_SLOTS, 2048 + 16, prefill_batch_rows=rows)
+        by_rows = results.setdefault("prefill_batch_rows", {})[str(rows)] = {}
         for length in args.lengths:
             for count in args.counts:
                 row = measure(engine, length, count, args.repeats)
                 by_rows[f"{count}x{length}"] = row
-                print(f"kernel rows {rows}: {count} x {length} tokens {row}", flush=True)
-        for length in args.solo_lengths:  # row kernels below `rows` rows, cuBLAS above
+                print(f"budget {rows} rows: {count} x {length} tokens {row}", flush=True)
+        for length in args.solo_lengths:  # row kernels up to 256 rows, cuBLAS above
             row = measure(engine, length, 1, args.repeats)
             by_rows[f"1x{length}"] = row
-            print(f"kernel rows {rows}: 1 x {length} tokens {row}", flush=True)
+            print(f"budget {rows} rows: 1 x {length} tokens {row}", flush=True)
         del engine
     print(json.dumps(results, indent=2))
     if args.out:

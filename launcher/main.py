@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_PREFILL_BATCH_ROWS,
         help="GPU fast path: prompts of sessions starting together share a prefill forward of "
-        f"up to this many rows, prompts × padded length (default {DEFAULT_PREFILL_BATCH_ROWS})",
+        "up to this many rows, prompts × padded length, where the padded length is at most "
+        f"the largest verify batch's rows (default {DEFAULT_PREFILL_BATCH_ROWS})",
     )
     target.add_argument(
         "--int4-reads",

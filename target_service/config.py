@@ -20,11 +20,12 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 # where reading the weights rather than the padding's work sets the time; 1.5× above.
 DEFAULT_PREFILL_GRAPH_TOKENS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 # Prompts of sessions that start together share a padded prefill forward of up to this many
-# rows (prompts × run length) on the GPU fast path, and calls of up to this many rows (or the
-# scheduler's largest verify batch, if more) run on the row-independent kernels. 256 is the
-# default scheduler's verify batch (16 × 16), as before the flag. More rows take the kernels'
-# wide launch (from WIDE_MIN_ROWS = 512), whose bits on the GPU are not yet checked: README.
-DEFAULT_PREFILL_BATCH_ROWS = 256
+# rows (prompts × run length) on the GPU fast path, if their run length is one the
+# row-independent kernels take alone (up to the largest verify batch, 16 × 16 by default):
+# the forward runs on those kernels, from 512 rows on through their wide launch. On an H100
+# (int4 all, 2026-12-05) 8 prompts of 128 tokens took 40.5 ms in one 1024-row forward against
+# 50.2 ms in four of 256 rows (bench/results/prefill-wide-launch-2026-12-05-nvidia-h100.json).
+DEFAULT_PREFILL_BATCH_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,6 @@ class TargetServiceConfig:
     int4_reads: str = INT4_READS[0]  # what the GPU kernels read for 4-bit layers
     prefill_batch_rows: int = DEFAULT_PREFILL_BATCH_ROWS  # GPU fast path only
     service: ServiceSettings = field(default_factory=ServiceSettings)
-
-    def kernel_rows(self, verify_rows: int) -> int:
-        """Rows up to which calls take the row-independent kernels on the GPU fast path: the
-        scheduler's largest verify batch and the shared prefills' forwards must both fit."""
-        return max(verify_rows, self.prefill_batch_rows)
 
     def validate(self) -> None:
         self.service.validate("target")

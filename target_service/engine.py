@@ -74,10 +74,11 @@ class TargetEngine:
         prefilled padded to the next one (`prefill_graphs`): captured as CUDA graphs where
         the verify is, else run eagerly; lengths above max_len are left out.
         prefill_batch_rows: prompts of one run length T share a padded forward, up to
-        prefill_batch_rows // T of them (`prefill_group_size`). None: the rows the model's
-        row-independent kernels take (`use_gpu_kernels`; none on the reference path), so
-        that a prompt's bits never depend on its companions; on a GPU no more than those
-        (on the CPU the reference path's matmuls are row-independent too).
+        prefill_batch_rows // T of them (`prefill_group_size`), where T is at most the rows
+        the model's row-independent kernels take (`use_gpu_kernels`): the shared forward
+        then runs on them whatever its rows, so a prompt's bits never depend on its
+        companions (on the CPU the reference path's matmuls are row-independent at any row
+        count). None: those rows (none on the reference path).
         """
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]
@@ -114,12 +115,6 @@ class TargetEngine:
         self.prefill_run_tokens = tuple(sorted(t for t in prefill_run_tokens if t <= shape.max_len))
         if prefill_batch_rows is None:
             prefill_batch_rows = model.max_kernel_rows
-        if self.device.type == "cuda" and prefill_batch_rows > model.max_kernel_rows:
-            raise ValueError(
-                f"prefill_batch_rows {prefill_batch_rows} exceeds the {model.max_kernel_rows} "
-                "rows the row-independent kernels take: beyond them (cuBLAS) a prompt's bits "
-                "would depend on the prompts sharing its forward"
-            )
         self.prefill_batch_rows = prefill_batch_rows
         # Prompts of a group are distinct sessions, and the scheduler's batch bounds them.
         self.max_prefill_group = max(graph_batch_sizes, default=shape.max_slots)
@@ -232,7 +227,10 @@ class TargetEngine:
 
     def prefill_group_size(self, run_tokens: int) -> int:
         """How many prompts of run length `run_tokens` may share one padded forward (1:
-        each runs alone): as many as fit in `prefill_batch_rows` rows."""
+        each runs alone): as many as fit in `prefill_batch_rows` rows, if one alone takes
+        the row kernels (a longer one runs alone on cuBLAS, faster at that many rows)."""
+        if 0 < self.model.max_kernel_rows < run_tokens:
+            return 1
         return max(1, min(self.prefill_batch_rows // run_tokens, self.max_prefill_group))
 
     def shares_prefills(self, slot: int, num_tokens: int) -> bool:

@@ -10,7 +10,9 @@ fixes. Shapes without a graph (a CPU engine) run the same padded forward eagerly
 
 Several prompts of one run length may share a forward, one row each (concurrent sessions
 starting together): the engine batches them only where every kernel the forward runs gives a
-row the same bits whatever the other rows are (`TargetEngine.prefill_group_size`).
+row the same bits whatever the other rows are (`TargetEngine.prefill_group_size`): run
+lengths the row kernels take alone, which then take the whole forward
+(`Qwen35TextModel.row_kernels_for_prompts`).
 
 The input is one int64 buffer [2 + T, B], as the verify graphs': the prompts' slots, their
 lengths, then their padded ids by position.
@@ -47,9 +49,10 @@ def padded_prefill(
         start_ids=torch.zeros_like(slots),
         valid_tokens=valid,
     )
-    hidden, taps = model(ids, batch, state, tap_layer_ids)
-    rows = torch.arange(num_prompts, device=hidden.device)
-    return model.logits(hidden[rows, valid - 1]), taps
+    with model.row_kernels_for_prompts(num_prompts, num_tokens):
+        hidden, taps = model(ids, batch, state, tap_layer_ids)
+        rows = torch.arange(num_prompts, device=hidden.device)
+        return model.logits(hidden[rows, valid - 1]), taps
 
 
 def run_padded_prefill(

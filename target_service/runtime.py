@@ -36,8 +36,9 @@ class TargetRuntime:
         graph_batch_sizes = tuple(range(1, service.max_batch_size + 1)) if is_fast else ()
         with fast_path_startup(is_fast):
             if is_fast:
-                verify_rows = service.max_batch_size * shape.max_block_tokens
-                model.use_gpu_kernels(config.kernel_rows(verify_rows), config.int4_reads)
+                model.use_gpu_kernels(
+                    service.max_batch_size * shape.max_block_tokens, config.int4_reads
+                )
             self.engine = TargetEngine(
                 model,
                 shape,

@@ -428,11 +428,18 @@ def test_prefill_graphs_replay_the_padded_prefill_bit_for_bit(kernel_model):
     assert runs == [(1, 32), (1, 64)]
 
 
-def assert_prefilled_together_as_alone(model, graph_batch_sizes, prompts, run_tokens):
+def assert_prefilled_together_as_alone(
+    model, graph_batch_sizes, prompts, run_tokens, prefill_batch_rows=None
+):
     """The prompts (one run length) prefilled together replay the graph of their count;
     each is bit for bit the prompt prefilled alone on an eager engine (logits, taps, the
     states later tokens read, the decoding after)."""
-    graphed = new_engine(model, graph_batch_sizes, prefill_run_tokens=(run_tokens,))
+    graphed = new_engine(
+        model,
+        graph_batch_sizes,
+        prefill_run_tokens=(run_tokens,),
+        prefill_batch_rows=prefill_batch_rows,
+    )
     alone = new_engine(model, prefill_run_tokens=(run_tokens,), prefill_batch_rows=0)
     runs = count_replays(graphed, graphed.prefill_graphs.graphs)
     slots = [graphed.open_sequence() for _ in prompts]
@@ -460,8 +467,11 @@ def test_prefill_graphs_of_several_prompts_equal_each_prompt_alone_bit_for_bit(k
     assert engine.prefill_graphs.has(2, 32) and not engine.prefill_graphs.has(3, 32)
     prompts = [PROMPT * 2, (PROMPT * 3)[:30]]  # 22 and 30 tokens: run length 32
     assert_prefilled_together_as_alone(kernel_model, (1, 2, 3), prompts, 32)
-    with pytest.raises(ValueError, match="prefill_batch_rows"):  # beyond them: cuBLAS
-        new_engine(kernel_model, prefill_batch_rows=MAX_KERNEL_ROWS + 1)
+    # A larger budget: more prompts share, on the row kernels beyond their rows; run lengths
+    # above those rows never share (alone they run on cuBLAS).
+    wider = new_engine(kernel_model, (1, 2, 3), prefill_batch_rows=4 * MAX_KERNEL_ROWS)
+    assert wider.prefill_group_size(32) == 3  # the largest graph batch bounds it
+    assert wider.prefill_group_size(2 * MAX_KERNEL_ROWS) == 1
 
 
 @needs_gpu
@@ -596,13 +606,14 @@ def test_qwen35_4b_shaped_prompts_prefilled_together_equal_each_alone(tmp_path, 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("layout", "int4_reads"), LAYOUTS_AND_READS)
 def test_qwen35_4b_shaped_wide_prefill_equals_each_prompt_alone(tmp_path, layout, int4_reads):
-    """Four prompts of 200..245 tokens in the prefill graph of (4, 256): 1024 rows, which the
-    row kernels' wide launch computes (WIDE_MIN_ROWS), against each prompt alone, 256 rows
+    """Four prompts of 200..245 tokens in the prefill graph of (4, 256): with the row kernels
+    taking 256 rows and a shared-prefill budget of 1024, the 1024-row forward runs on them
+    too, through their wide launch (WIDE_MIN_ROWS), against each prompt alone, 256 rows
     through the split launch."""
-    model = qwen35_4b_shaped_model(tmp_path, layout, int4_reads, max_kernel_rows=1024)
+    model = qwen35_4b_shaped_model(tmp_path, layout, int4_reads, max_kernel_rows=256)
     vocab = model.config.vocab_size
     prompts = [[(i * 11 + j * 7) % vocab for j in range(200 + 15 * i)] for i in range(4)]
-    assert_prefilled_together_as_alone(model, (1, 4), prompts, 256)
+    assert_prefilled_together_as_alone(model, (1, 4), prompts, 256, prefill_batch_rows=1024)
 
 
 def solo_logits(engine, tokens, prompt_length):

@@ -132,7 +132,7 @@ def test_the_target_flag_sets_the_graph_lengths_and_rejects_bad_ones():
         TargetServiceConfig(model="m", prefill_graph_tokens=(64, 0)).validate()
 
 
-def test_the_target_flag_sets_the_shared_prefill_rows_and_the_kernel_rows():
+def test_the_target_flag_sets_the_shared_prefill_rows():
     from dflash_serve.errors import ConfigError
     from launcher.main import build_parser
     from target_service.config import DEFAULT_PREFILL_BATCH_ROWS, TargetServiceConfig
@@ -142,7 +142,5 @@ def test_the_target_flag_sets_the_shared_prefill_rows_and_the_kernel_rows():
 
     assert batch_rows() == DEFAULT_PREFILL_BATCH_ROWS
     assert batch_rows("--prefill-batch-rows", "512") == 512
-    config = TargetServiceConfig(model="m", prefill_batch_rows=512)
-    assert config.kernel_rows(256) == 512 and config.kernel_rows(1024) == 1024
     with pytest.raises(ConfigError, match="prefill_batch_rows"):
         TargetServiceConfig(model="m", prefill_batch_rows=0).validate()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dflash_serve.errors import InvalidRequestError
+from dflash_serve.layers.linear import fits_row_kernel, row_kernels_up_to
 from dflash_serve.speculative.types import SamplingParams
 from target_service import prefill_graphs, speculative_step
 from target_service.engine import TargetEngine
@@ -78,6 +79,35 @@ def test_prompts_prefilled_together_equal_each_alone_on_the_kernel_path(cpu_kern
     slots = [engine.open_sequence() for _ in prompts]
     results = engine.prefill_together(slots, prompts)
     assert_each_as_alone(cpu_kernel_model, engine, slots, prompts, results)
+
+
+def test_short_prompts_share_a_forward_beyond_the_kernel_rows_on_the_kernels(
+    cpu_kernel_model, monkeypatch
+):
+    """A budget above the 64 rows the kernels take: four prompts of run length 32 share one
+    forward of 128 rows, which still runs on the row kernels (alone each takes them: 32
+    rows), so each keeps its bits; on cuBLAS's stand-in (the CPU matmul) they would differ.
+    Run lengths above 64 rows never share."""
+    engine = new_engine(cpu_kernel_model, prefill_batch_rows=128, run_tokens=(32, 96))
+    assert engine.prefill_group_size(32) == 4 and engine.prefill_group_size(96) == 1
+    prompts = [PROMPTS[0][:17], PROMPTS[1][:32], PROMPTS[2][:20], PROMPTS[1][:25]]
+    slots = [engine.open_sequence() for _ in prompts]
+    forwards = record_padded_forwards(monkeypatch)
+    results = engine.prefill_together(slots, prompts)
+    assert forwards == [(4, 32)]
+    monkeypatch.undo()
+    assert_each_as_alone(cpu_kernel_model, engine, slots, prompts, results)
+
+
+def test_asking_for_more_rows_never_turns_the_kernel_path_on():
+    """`row_kernels_up_to` widens the kernel path where a layer has one, never where it has
+    none (the reference path: max_kernel_rows 0)."""
+    rows = torch.zeros(100, 8)
+    assert not fits_row_kernel(rows, 64)
+    with row_kernels_up_to(128):
+        assert fits_row_kernel(rows, 64) and not fits_row_kernel(rows, 0)
+        assert not fits_row_kernel(torch.zeros(129, 8), 64)
+    assert not fits_row_kernel(rows, 64)
 
 
 def test_group_size_is_the_row_budget_over_the_run_length(reference_model, cpu_kernel_model):

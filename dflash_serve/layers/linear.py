@@ -6,12 +6,15 @@ code paths for small row counts (1-3 rows, edge tiles), which changes the low bi
 the row count to a multiple of `CPU_ROW_TILE` makes every row go through the same kernel.
 On the GPU, cuBLAS picks its algorithm by shape, so after `use_row_kernel(max_rows)` calls of
 up to `max_rows` rows (verify and decode) run the Triton `row_matmul` instead, whose launch
-configuration depends only on the weight's shape; larger calls (prefill) keep cuBLAS.
+configuration depends only on the weight's shape; larger calls (prefill) keep cuBLAS, except
+in a forward that asks for more rows (`row_kernels_up_to`: prompts prefilled together).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextvars
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -71,9 +74,26 @@ class Linear(RowIndependentLinear):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
 
+# Rows a forward asks the row kernels to take beyond a layer's own max_kernel_rows.
+_ROWS_ASKED = contextvars.ContextVar("row_kernel_rows_asked", default=0)
+
+
+@contextmanager
+def row_kernels_up_to(rows: int) -> Iterator[None]:
+    """Within: where the kernel path is on, calls of up to `rows` rows take the row kernels
+    too (a forward of prompts that each alone would take them: see `Qwen35TextModel`)."""
+    token = _ROWS_ASKED.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS_ASKED.reset(token)
+
+
 def fits_row_kernel(x: torch.Tensor, max_rows: int) -> bool:
-    """Whether x [..., K] has at most `max_rows` rows (0: the kernel path is off)."""
-    return x.numel() <= max_rows * x.shape[-1]
+    """Whether x [..., K] has at most `max_rows` rows, or at most the rows a surrounding
+    `row_kernels_up_to` asks for (0: the kernel path is off, whatever is asked)."""
+    rows = max(max_rows, _ROWS_ASKED.get()) if max_rows > 0 else 0
+    return x.numel() <= rows * x.shape[-1]
 
 
 def row_kernel_matmul(rows: torch.Tensor, weight, keep_splits: bool = False):

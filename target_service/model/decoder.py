@@ -11,6 +11,7 @@ from dflash_serve.layers.linear import (
     RowIndependentLinear,
     fits_row_kernel,
     row_kernel_linear,
+    row_kernels_up_to,
     row_stable_linear,
 )
 from dflash_serve.layers.mlp import SwiGLU
@@ -113,6 +114,14 @@ class Qwen35TextModel(nn.Module):
 
         self.max_kernel_rows = max_kernel_rows
         self.recurrence_kernel = recurrent_gated_delta
+
+    def row_kernels_for_prompts(self, num_prompts: int, run_tokens: int):
+        """A context for the forward of `num_prompts` prompts padded to `run_tokens`: where one
+        such prompt alone takes the row kernels (run_tokens <= max_kernel_rows), all of them
+        together take them too, however many rows that makes (the kernels' wide launch), so
+        each prompt keeps its bits; longer prompts stay on cuBLAS, alone."""
+        sharing = 0 < run_tokens <= self.max_kernel_rows
+        return row_kernels_up_to(num_prompts * run_tokens if sharing else 0)
 
     @property
     def head_weight(self) -> torch.Tensor:
