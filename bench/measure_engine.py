@@ -17,7 +17,7 @@ from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
 from dflash_serve.speculative.types import SamplingParams
 from drafter_service.engine import DrafterEngine
-from target_service.config import DEFAULT_PREFILL_GRAPH_TOKENS
+from target_service.config import DEFAULT_PREFILL_BATCH_ROWS, DEFAULT_PREFILL_GRAPH_TOKENS
 from target_service.engine import TargetEngine
 from target_service.model.state import StateShape
 from target_service.session import InProcessTarget
@@ -176,13 +176,12 @@ def build_target(
     fast_path: bool = True,
     int4_reads: str = INT4_READS[0],
     prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS,
-    prefill_batch_rows: int | None = None,
+    prefill_batch_rows: int = DEFAULT_PREFILL_BATCH_ROWS,
 ) -> TargetEngine:
     """As the target service builds it: on a GPU, Triton kernels for up to max_slots × 16
     rows, verify graphs for batches of 1..max_slots and prefill graphs (unless `fast_path`
     is off: the plain-torch reference path); `int4_reads`, `prefill_graph_tokens` and
-    `prefill_batch_rows` as the service's flags (None here: the engine's default, the
-    kernels' rows)."""
+    `prefill_batch_rows` as the service's flags."""
     from target_service.model.loader import load_target_model
 
     model = load_target_model(model_dir, torch.bfloat16, device)

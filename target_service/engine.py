@@ -115,6 +115,12 @@ class TargetEngine:
         self.prefill_run_tokens = tuple(sorted(t for t in prefill_run_tokens if t <= shape.max_len))
         if prefill_batch_rows is None:
             prefill_batch_rows = model.max_kernel_rows
+        if self.device.type == "cuda" and model.max_kernel_rows == 0 and prefill_batch_rows:
+            raise ValueError(
+                f"prefill_batch_rows {prefill_batch_rows} without the row-independent kernels: "
+                "on cuBLAS a prompt's bits would depend on the prompts sharing its forward "
+                "(call model.use_gpu_kernels first, or give 0)"
+            )
         self.prefill_batch_rows = prefill_batch_rows
         # Prompts of a group are distinct sessions, and the scheduler's batch bounds them.
         self.max_prefill_group = max(graph_batch_sizes, default=shape.max_slots)

@@ -458,7 +458,9 @@ def assert_prefilled_together_as_alone(
 
 @needs_gpu
 @pytest.mark.gpu
-def test_prefill_graphs_of_several_prompts_equal_each_prompt_alone_bit_for_bit(kernel_model):
+def test_prefill_graphs_of_several_prompts_equal_each_prompt_alone_bit_for_bit(
+    kernel_model, kernel_friendly_dir
+):
     """Graphs of up to as many prompts as the row kernels' rows hold: the row kernels,
     fla-core's chunks (where installed) and flash attention (one call per prompt) give a
     row the same bits whatever shares the forward."""
@@ -472,6 +474,10 @@ def test_prefill_graphs_of_several_prompts_equal_each_prompt_alone_bit_for_bit(k
     wider = new_engine(kernel_model, (1, 2, 3), prefill_batch_rows=4 * MAX_KERNEL_ROWS)
     assert wider.prefill_group_size(32) == 3  # the largest graph batch bounds it
     assert wider.prefill_group_size(2 * MAX_KERNEL_ROWS) == 1
+    plain = load_target_model(kernel_friendly_dir, torch.bfloat16, DEVICE)  # cuBLAS only
+    with pytest.raises(ValueError, match="without the row-independent kernels"):
+        new_engine(plain, prefill_batch_rows=64)
+    assert new_engine(plain, prefill_batch_rows=0).prefill_group_size(16) == 1
 
 
 @needs_gpu

@@ -165,7 +165,7 @@ def with_interpreter_tiles(config):
     numpy's fp32 matmul, whose order may follow the tile's shape (on the GPU every tile shape
     runs the same MMA chain; the GPU test below checks the shipped tiles)."""
     config = dataclasses.replace(config, block_m=64)
-    return config, WideLaunch(block_m=64, block_n=config.block_n, group_m=3)
+    return config, WideLaunch(block_m=64, block_n=config.block_n, group_m=4)  # 9 row tiles
 
 
 @pytest.mark.parametrize("shape", SHAPES)

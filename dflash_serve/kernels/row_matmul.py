@@ -8,7 +8,11 @@ tile runs the same instruction sequence over K whatever M is; padded rows are ma
 and never mix with real ones. A config may swap the operands (`swap_ab`: each tile computed
 as W-tile · x-tileᵀ, the token rows on the MMA's narrow side) — again per shape, never per
 call. Split-K partials are summed by a second kernel in a fixed order,
-never with atomics.
+never with atomics. Calls of WIDE_MIN_ROWS rows or more (prompts prefilled together) take
+`WideLaunch` tiles instead (unless the config swaps operands): the same K splits, summed in
+the same order inside each program, so the same bits on the GPU. (Under the interpreter a
+tile's dot is numpy's, whose order may follow the tile's shape: there the wide launch's
+bits are only checked with the split launch's tile shapes.)
 
 4-bit weights read packed go through `w4a16_matmul` (its own layout and kernel); a 4-bit
 layer reading its dequantized bf16 copy comes here like any dense one.
@@ -347,7 +351,8 @@ def _wide_matmul_kernel(
             x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w, acc, BLOCK_M, DOT_IN_FP32, False
         )
         if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):
-            total += acc
+            # split 0's sum as it is (0 + p0 would turn a -0.0 into +0.0), then p0 + p1 …
+            total = tl.where(k0 < K_PER_SPLIT, acc, total + acc)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     store_row_tile(out_ptr, total, row0, offs_n, M, N, 0, stride_om, BLOCK_M, 1,
                    ROUND_ON_BITS, False)  # fmt: skip

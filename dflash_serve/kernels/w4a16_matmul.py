@@ -430,7 +430,8 @@ def _w4a16_kernel(
         scales = upcoming
         if SPLITS_IN_PROGRAM:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if ((tile + 1) % TILES_PER_SPLIT == 0) | (tile == last):
-                total += acc
+                # split 0's sum as it is (0 + p0 would turn a -0.0 into +0.0), then p0 + p1 …
+                total = tl.where(tile < TILES_PER_SPLIT, acc, total + acc)
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if SPLITS_IN_PROGRAM:
         store_row_tile(out_ptr, total, row0, offs_n, M, N, 0, stride_om, BLOCK_M, 1,

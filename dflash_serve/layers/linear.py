@@ -124,10 +124,10 @@ def row_kernel_linear(
 class Int4Linear(RowIndependentLinear):
     """A 4-bit linear layer; the packed tensors stay the source of truth.
 
-    The dequantized weight serves the reference path and large (prefill) calls through
-    cuBLAS. On verify and decode the row kernel reads either that bf16 weight or, with
-    `use_row_kernel(rows, "int4")`, the 4-bit tensors repacked once for the W4A16 kernel
-    (`w4a16_matmul`, 4 bits per weight; see INT4_READS).
+    The dequantized weight serves the reference path and calls beyond the kernels' rows
+    (long prompts) through cuBLAS. On verify and decode the row kernel reads either that
+    bf16 weight or, with `use_row_kernel(rows, "int4")`, the 4-bit tensors repacked once for
+    the W4A16 kernel (`w4a16_matmul`, 4 bits per weight; see INT4_READS).
     """
 
     def __init__(self, packed: PackedInt4Weight, compute_dtype: torch.dtype) -> None:

@@ -92,8 +92,9 @@ class Qwen35TextModel(nn.Module):
     def use_gpu_kernels(self, max_kernel_rows: int, int4_reads: str = INT4_READS[0]) -> None:
         """Run verify/decode on the row-independent Triton kernels (CUDA, Triton needed).
 
-        Calls of at most `max_kernel_rows` rows (tokens × sequences) take the kernels; a
-        speculative step must fit, so that its rows equal the same rows decoded alone.
+        Calls of at most `max_kernel_rows` rows (tokens × sequences) take the kernels, and
+        larger ones inside `row_kernels_for_prompts`; a speculative step must fit, so that
+        its rows equal the same rows decoded alone.
         `int4_reads`: what the kernels read for 4-bit layers (`INT4_READS`).
         """
         for module in self.modules():
