@@ -235,7 +235,7 @@ class TargetEngine:
         """How many prompts of run length `run_tokens` may share one padded forward (1:
         each runs alone): as many as fit in `prefill_batch_rows` rows, if one alone takes
         the row kernels (a longer one runs alone on cuBLAS, faster at that many rows)."""
-        if 0 < self.model.max_kernel_rows < run_tokens:
+        if self.model.max_kernel_rows and not self.model.takes_row_kernels_alone(run_tokens):
             return 1
         return max(1, min(self.prefill_batch_rows // run_tokens, self.max_prefill_group))
 

@@ -397,9 +397,9 @@ def _w4a16_kernel(
     """Program (j, i, s): outputs j·BLOCK_N.., rows i·BLOCK_M.., K split s; acc holds the
     tile transposed, [BLOCK_N, BLOCK_M] (the weight on the MMA's tall side).
     SPLITS_IN_PROGRAM (the wide launch, one program per output tile of a one-dimensional grid,
-    `grouped_tile`): the program walks every
-    split, each summed from zero and added to the total in split order as it ends (the order
-    of `summed_splits`), and stores the bf16 result."""
+    `grouped_tile`): the program walks every split, each summed from zero and added to the
+    total in split order as it ends (the order of `summed_splits`), and stores the bf16
+    result."""
     wait_for_inputs()
     if SPLITS_IN_PROGRAM:
         row_tile, col_tile = grouped_tile(tl.program_id(0), M, BLOCK_M,

@@ -116,12 +116,17 @@ class Qwen35TextModel(nn.Module):
         self.max_kernel_rows = max_kernel_rows
         self.recurrence_kernel = recurrent_gated_delta
 
+    def takes_row_kernels_alone(self, run_tokens: int) -> bool:
+        """Whether one prompt padded to `run_tokens` runs on the row kernels (the kernel path
+        is on and its rows fit): the prompts that may share a prefill forward on that path."""
+        return 0 < run_tokens <= self.max_kernel_rows
+
     def row_kernels_for_prompts(self, num_prompts: int, run_tokens: int):
         """A context for the forward of `num_prompts` prompts padded to `run_tokens`: where one
-        such prompt alone takes the row kernels (run_tokens <= max_kernel_rows), all of them
-        together take them too, however many rows that makes (the kernels' wide launch), so
-        each prompt keeps its bits; longer prompts stay on cuBLAS, alone."""
-        sharing = 0 < run_tokens <= self.max_kernel_rows
+        such prompt alone takes the row kernels, all of them together take them too, however
+        many rows that makes (the kernels' wide launch), so each prompt keeps its bits;
+        longer prompts stay on cuBLAS, alone."""
+        sharing = self.takes_row_kernels_alone(run_tokens)
         return row_kernels_up_to(num_prompts * run_tokens if sharing else 0)
 
     @property
