@@ -177,11 +177,12 @@ def build_target(
     int4_reads: str = INT4_READS[0],
     prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS,
     prefill_batch_rows: int = DEFAULT_PREFILL_BATCH_ROWS,
+    commit_graphs: bool = False,
 ) -> TargetEngine:
     """As the target service builds it: on a GPU, Triton kernels for up to max_slots × 16
     rows, verify graphs for batches of 1..max_slots and prefill graphs (unless `fast_path`
-    is off: the plain-torch reference path); `int4_reads`, `prefill_graph_tokens` and
-    `prefill_batch_rows` as the service's flags."""
+    is off: the plain-torch reference path); `int4_reads`, `prefill_graph_tokens`,
+    `prefill_batch_rows` and `commit_graphs` as the service's flags."""
     from target_service.model.loader import load_target_model
 
     model = load_target_model(model_dir, torch.bfloat16, device)
@@ -198,6 +199,7 @@ def build_target(
         graph_batch_sizes=graph_batch_sizes,
         prefill_run_tokens=prefill_run_tokens,
         prefill_batch_rows=prefill_batch_rows if prefill_run_tokens else None,
+        commit_graphs=commit_graphs,
     )
 
 

@@ -7,7 +7,7 @@ with the GPU synchronised, and prints a torch.profiler table (CPU and CUDA) of a
 and how much of a step the GPU was busy (the rest is host time the GPU waits through). A
 diagnostic, not a benchmark of record.
 
-    python -m bench.profile_step [--layout int4_mlp] [--batch 8]
+    python -m bench.profile_step [--layout int4_mlp] [--batch 8] [--commit-graphs]
 """
 
 from __future__ import annotations
@@ -40,13 +40,16 @@ def main() -> None:
     parser.add_argument("--layout", default="int4_mlp", choices=LAYOUTS)
     parser.add_argument("--num-steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--commit-graphs", action="store_true", help="the service's flag")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="dflash-step-"))
     target_dir = write_target(workdir / "t", QWEN35_4B_TEXT, args.layout, device="cuda")
     drafter_dir = write_drafter(workdir / "d", DFLASH_4B, device="cuda")
     taps = tuple(DFLASH_4B["dflash_config"]["target_layer_ids"])
     slots_needed = max(2, args.batch)
-    target = build_target(target_dir, slots_needed, 2048, "cuda", taps)
+    target = build_target(
+        target_dir, slots_needed, 2048, "cuda", taps, commit_graphs=args.commit_graphs
+    )
     drafter = build_drafter(drafter_dir, target_dir, slots_needed, 2048, "cuda")
     t_slots = [target.open_sequence() for _ in range(args.batch)]
     d_slots = [drafter.open_sequence() for _ in range(args.batch)]

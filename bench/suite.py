@@ -150,6 +150,7 @@ class Suite:
 
         layout = self.args.e2e_layout
         self.results["e2e_int4_reads"] = self.args.e2e_int4_reads
+        self.results["e2e_commit_graphs"] = self.args.commit_graphs
         common = ["--device", self.device, "--max-sessions", "16", "--max-context-tokens", "8704"]
         target = start_service(
             [
@@ -160,6 +161,7 @@ class Suite:
                 str(self.dirs["drafter"]),
                 "--int4-reads",
                 self.args.e2e_int4_reads,
+                *(["--commit-graphs"] if self.args.commit_graphs else []),
                 *common,
             ]
         )
@@ -323,7 +325,13 @@ class Suite:
         layout = self.args.e2e_layout
         taps = tuple(self.drafter_config["dflash_config"]["target_layer_ids"])
         engine = measure_engine.build_target(
-            self.dirs[layout], 2, 2048, self.device, taps, int4_reads=self.args.e2e_int4_reads
+            self.dirs[layout],
+            2,
+            2048,
+            self.device,
+            taps,
+            int4_reads=self.args.e2e_int4_reads,
+            commit_graphs=self.args.commit_graphs,
         )
         drafter_engine = measure_engine.build_drafter(
             self.dirs["drafter"], self.dirs[layout], 2, 2048, self.device
@@ -434,6 +442,11 @@ def main() -> None:
         choices=INT4_READS,
         help="what the target's GPU kernels read for 4-bit layers in the e2e and in_process "
         "sections (default: the service's, %(default)s)",
+    )
+    parser.add_argument(
+        "--commit-graphs",
+        action="store_true",
+        help="the target service's --commit-graphs in the e2e and in_process sections",
     )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(

@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"the largest verify batch's rows (default {DEFAULT_PREFILL_BATCH_ROWS})",
     )
     target.add_argument(
+        "--commit-graphs",
+        action="store_true",
+        help="GPU fast path: replay each commit (the accepted prefix's state) from a CUDA "
+        "graph instead of eager launches; off until measured on a GPU (see README)",
+    )
+    target.add_argument(
         "--int4-reads",
         choices=INT4_READS,
         default=INT4_READS[0],
@@ -240,6 +246,7 @@ def run_target(args: argparse.Namespace) -> None:
         prefill_graph_tokens=args.prefill_graph_tokens,
         prefill_batch_rows=args.prefill_batch_rows,
         int4_reads=args.int4_reads,
+        commit_graphs=args.commit_graphs,
         service=service_settings(args),
     )
     config.validate()

@@ -19,8 +19,9 @@ import torch
 from dflash_serve.errors import InvalidRequestError
 from dflash_serve.feature_channel import SharedFeatureBuffer
 from dflash_serve.slots import SlotAllocator
+from target_service.commit_graphs import CommitGraphs
 from target_service.config import DEFAULT_PREFILL_CHUNK_TOKENS
-from target_service.model.commit import commit_blocks
+from target_service.model.commit import commit_blocks, record_commits
 from target_service.model.decoder import Qwen35TextModel
 from target_service.model.forward_batch import ForwardBatch, ints_on_device
 from target_service.model.state import StateShape, TargetState
@@ -62,6 +63,7 @@ class TargetEngine:
         block_prefill_max_tokens: int | None = None,
         prefill_run_tokens: tuple[int, ...] = (),
         prefill_batch_rows: int | None = None,
+        commit_graphs: bool = False,
     ) -> None:
         """share_features: also write taps into a CUDA buffer other processes can map.
 
@@ -79,6 +81,8 @@ class TargetEngine:
         then runs on them whatever its rows, so a prompt's bits never depend on its
         companions (on the CPU the reference path's matmuls are row-independent at any row
         count). None: those rows (none on the reference path).
+        commit_graphs: also capture the commit for the verify graphs' batch sizes
+        (`CommitGraphs`); off by default until measured on a GPU.
         """
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]
@@ -112,6 +116,11 @@ class TargetEngine:
                     f"for {most_rows} rows; call model.use_gpu_kernels({most_rows}) first"
                 )
             self.graphs = VerifyGraphs(model, self.state, self.tap_layer_ids, graph_batch_sizes)
+        self.commit_graphs: CommitGraphs | None = None
+        if commit_graphs and self.graphs is not None:
+            self.commit_graphs = CommitGraphs(
+                self.state, model.recurrence_kernel, graph_batch_sizes
+            )
         self.prefill_run_tokens = tuple(sorted(t for t in prefill_run_tokens if t <= shape.max_len))
         if prefill_batch_rows is None:
             prefill_batch_rows = model.max_kernel_rows
@@ -408,7 +417,12 @@ class TargetEngine:
                 raise InvalidRequestError(
                     f"slot {slot}: num_kept must be in 1..{block_size}, got {kept}"
                 )
-        if slots:
+        if not slots:
+            return
+        if self.commit_graphs is not None and self.commit_graphs.has(len(slots)):
+            self.commit_graphs.replay(slots, num_kept)
+            record_commits(self.state, slots, num_kept)
+        else:
             commit_blocks(self.state, slots, num_kept, self.model.recurrence_kernel)
 
     def _share(self, slot: int, start: int, rows: torch.Tensor) -> None:

@@ -48,6 +48,7 @@ class TargetRuntime:
                 graph_batch_sizes=graph_batch_sizes,
                 prefill_run_tokens=config.prefill_graph_tokens if is_fast else (),
                 prefill_batch_rows=config.prefill_batch_rows if is_fast else None,
+                commit_graphs=config.commit_graphs,
             )
             if is_fast:
                 began = time.perf_counter()

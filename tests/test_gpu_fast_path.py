@@ -153,6 +153,99 @@ def test_commit_prefix_then_decode_equals_direct(kernel_model, num_kept):
     assert torch.equal(after, decode(direct, slot, continuation))
 
 
+def assert_same_state(got, want, context=None) -> None:
+    """Every tensor and list of two TargetStates equal, bit for bit."""
+    for name, value in vars(want).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(getattr(got, name), value), (context, name)
+        elif isinstance(value, list):
+            assert getattr(got, name) == value, (context, name)
+
+
+@pytest.mark.parametrize(
+    ("slots", "kept"), [([2, 0, 3, 1], [12, 16, 5, 1]), ([1], [16]), ([3], [4]), ([0, 2], [16, 7])]
+)
+def test_commit_on_device_equals_the_eager_commit_bit_for_bit(kernel_model, slots, kept):
+    """The capturable commit (slots and counts read from the device, every block replayed,
+    whole ones too) leaves the state the eager commit leaves: replayed prefixes, whole
+    blocks (the eager commit adopts the verify's final state), blocks shorter than the
+    forward that ran them (12 and 9 of 16), one slot alone (the eager commit's views)."""
+    from target_service.model.commit import commit_blocks, commit_on_device, record_commits
+    from tests.test_recoverable_state import clone_state
+
+    engine = new_engine(kernel_model)
+    opened = [engine.open_sequence() for _ in range(4)]
+    for i, slot in enumerate(opened):
+        engine.prefill(slot, PROMPT[: 5 + i])
+    engine.verify(opened, [BLOCK, BLOCK[::-1], BLOCK[:12], BLOCK[:9]])
+    before, eager = clone_state(engine.state), clone_state(engine.state)
+    kernel = kernel_model.recurrence_kernel
+    commit_blocks(eager, slots, kept, kernel)
+    device = engine.state.recurrent_state.device
+    as_tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
+    commit_on_device(engine.state, as_tensor(slots), as_tensor(kept), kernel)
+    record_commits(engine.state, slots, kept)
+    assert_same_state(engine.state, eager)
+    for slot in slots:  # and it did something
+        assert not torch.equal(
+            engine.state.recurrent_state[:, slot], before.recurrent_state[:, slot]
+        )
+        assert not torch.equal(engine.state.conv_state[:, slot], before.conv_state[:, slot])
+
+
+def assert_commit_graphs_change_no_bit(model, batch_size, rounds=12, seed=5):
+    """Two graphed engines, one committing through `CommitGraphs`, fed the same prompts,
+    blocks (of 16, 9 and 1 tokens, so the forwards run 16- and 1-token graphs) and kept
+    counts (whole blocks included): every verify's logits and every state after each commit
+    are equal bit for bit."""
+    engines = [
+        new_engine(model, tuple(range(1, batch_size + 1)), max_slots=batch_size,
+                   block_prefill_max_tokens=0, commit_graphs=with_graphs)
+        for with_graphs in (False, True)
+    ]  # fmt: skip
+    assert engines[0].commit_graphs is None and engines[1].commit_graphs.has(batch_size)
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(5 + 3 * i)] for i in range(batch_size)]
+    opened = [[engine.open_sequence() for _ in prompts] for engine in engines]
+    for engine, slots in zip(engines, opened, strict=True):
+        for slot, prompt in zip(slots, prompts, strict=True):
+            engine.prefill(slot, prompt)
+    for round_index in range(rounds):
+        lengths = [rng.choice((16, 16, 9, 1)) for _ in prompts]
+        if round_index % 3 == 2:
+            lengths = [1] * batch_size  # plain decoding: the 1-token graphs
+        blocks = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+        kept = [rng.choice((n, rng.randint(1, n))) for n in lengths]
+        logits = [e.verify(slots, blocks).logits for e, slots in zip(engines, opened, strict=True)]
+        assert torch.equal(logits[0], logits[1]), round_index
+        for engine, slots in zip(engines, opened, strict=True):
+            engine.commit_many(slots, kept)
+        assert_same_state(engines[1].state, engines[0].state, (round_index, lengths, kept))
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_commit_graphs_change_no_bit(kernel_model, batch_size):
+    assert_commit_graphs_change_no_bit(kernel_model, batch_size)
+
+
+def test_commit_graphs_are_a_target_flag_and_need_the_verify_graphs(kernel_model):
+    """Off unless asked for; an engine without verify graphs (as on a CPU) commits eagerly."""
+    from launcher.main import build_parser
+
+    parse = lambda *flags: build_parser().parse_args(["target", "--model", "m", *flags])  # noqa: E731
+    assert not parse().commit_graphs and parse("--commit-graphs").commit_graphs
+    engine = new_engine(kernel_model, commit_graphs=True)  # no graph_batch_sizes
+    assert engine.commit_graphs is None
+    slot = engine.open_sequence()
+    engine.prefill(slot, PROMPT)
+    engine.verify([slot], [BLOCK])
+    engine.commit(slot, 3)
+    assert engine.length(slot) == len(PROMPT) + 3
+
+
 def test_fused_attention_inputs_give_the_unfused_kernel_path_bit_for_bit(kernel_model, monkeypatch):
     """Attention layers verify through one q/k/v matmul and one kernel for the norms,
     rotations and cache writes (`_verify_fused`); the separate launches they replace (still
@@ -590,6 +683,15 @@ def test_qwen35_4b_shaped_speculative_equals_plain(tmp_path, layout, int4_reads)
             prefill_run_tokens=(32, 64),
         )
         assert speculative == plain, (num_sequences, first_differences(plain, speculative))
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layout", "int4_reads"), LAYOUTS_AND_READS)
+def test_qwen35_4b_shaped_commit_graphs_change_no_bit(tmp_path, layout, int4_reads):
+    model = qwen35_4b_shaped_model(tmp_path, layout, int4_reads)
+    for batch_size in (1, 8):
+        assert_commit_graphs_change_no_bit(model, batch_size, rounds=8)
 
 
 @needs_gpu

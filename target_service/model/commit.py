@@ -42,9 +42,39 @@ def commit_blocks(
         _commit_one(state, slots[0], num_kept[0], recurrence_kernel)
     else:
         _commit_batch(state, slots, num_kept, recurrence_kernel)
+    record_commits(state, slots, num_kept)
+
+
+def record_commits(state: TargetState, slots: Sequence[int], num_kept: Sequence[int]) -> None:
+    """The host's side of a commit: lengths grow by the kept tokens, no block is pending."""
     for slot, kept in zip(slots, num_kept, strict=True):
         state.lengths[slot] += kept
         state.block_sizes[slot] = state.block_run_sizes[slot] = 0
+
+
+def commit_on_device(
+    state: TargetState, slots: torch.Tensor, num_kept: torch.Tensor, recurrence_kernel: Callable
+) -> None:
+    """`commit_blocks`' GDN state changes with the slots and counts read from the device
+    (int64 [B] each), in launches whose shapes depend on B alone: capturable in a CUDA graph
+    (`CommitGraphs`), where the eager commit's ~0.7 ms of host time per step goes (H100,
+    2026-12-05, batch 1). The host's side is `record_commits`.
+
+    Every slot's recurrent state is replayed over its kept tokens, a whole block's too: the
+    kernel's state after n of a block's recorded tokens is bit for bit the state its verify
+    passed through there, n = all of them included (`recurrent_gated_delta`), so replaying
+    a whole block gives the final state `commit_blocks` copies. The replay reads all
+    `max_block_tokens` recorded rows of each slot and applies its own count."""
+    num_layers, num_slots = state.recurrent_state.shape[:2]
+    inputs = state.block_conv_inputs.index_select(1, slots)
+    state.conv_state.index_copy_(
+        1, slots, conv_states_after(state.conv_state.index_select(1, slots), inputs, num_kept)
+    )
+    layers = torch.arange(num_layers, device=slots.device)
+    entries = (layers[:, None] * num_slots + slots[None, :]).flatten()  # row l·B + i
+    counts = num_kept.to(torch.int32).repeat(num_layers)
+    recorded = [tensor.index_select(1, slots).flatten(0, 1) for tensor in _recorded_inputs(state)]
+    _replay_with_kernel(recurrence_kernel, state, recorded, entries, counts)
 
 
 def _commit_one(state: TargetState, slot: int, num_kept: int, kernel: Callable | None) -> None:
