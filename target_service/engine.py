@@ -82,7 +82,8 @@ class TargetEngine:
         companions (on the CPU the reference path's matmuls are row-independent at any row
         count). None: those rows (none on the reference path).
         commit_graphs: also capture the commit for the verify graphs' batch sizes
-        (`CommitGraphs`); off by default until measured on a GPU.
+        (`CommitGraphs`); off by default until measured on a GPU, and ignored without
+        verify graphs (commits then run eagerly).
         """
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]
@@ -155,7 +156,8 @@ class TargetEngine:
         use, so that they compile (and autotune) at start-up rather than while requests wait:
         a batch commit that replays partial blocks (on the H200 its recurrence variant compiled
         during the first 4-stream round), a single partial commit, and an eager chunked
-        prefill. max_batch_size: the scheduler's (1: no batch step is warmed, as none runs).
+        prefill (with commit graphs the commits replay them, compiled at capture).
+        max_batch_size: the scheduler's (1: no batch step is warmed, as none runs).
         Every slot is free and empty afterwards."""
         shape = self.state.shape
         if shape.max_len < 2 + shape.max_block_tokens:

@@ -162,14 +162,12 @@ def assert_same_state(got, want, context=None) -> None:
             assert getattr(got, name) == value, (context, name)
 
 
-@pytest.mark.parametrize(
-    ("slots", "kept"), [([2, 0, 3, 1], [12, 16, 5, 1]), ([1], [16]), ([3], [4]), ([0, 2], [16, 7])]
-)
-def test_commit_on_device_equals_the_eager_commit_bit_for_bit(kernel_model, slots, kept):
+def test_commit_on_device_equals_the_eager_commit_bit_for_bit(kernel_model):
     """The capturable commit (slots and counts read from the device, every block replayed,
     whole ones too) leaves the state the eager commit leaves: replayed prefixes, whole
     blocks (the eager commit adopts the verify's final state), blocks shorter than the
-    forward that ran them (12 and 9 of 16), one slot alone (the eager commit's views)."""
+    forward that ran them (12 and 9 of 16), one slot alone (the eager commit's views).
+    Each case commits the same verified blocks, from a copy of the state after the verify."""
     from target_service.model.commit import commit_blocks, commit_on_device, record_commits
     from tests.test_recoverable_state import clone_state
 
@@ -178,26 +176,30 @@ def test_commit_on_device_equals_the_eager_commit_bit_for_bit(kernel_model, slot
     for i, slot in enumerate(opened):
         engine.prefill(slot, PROMPT[: 5 + i])
     engine.verify(opened, [BLOCK, BLOCK[::-1], BLOCK[:12], BLOCK[:9]])
-    before, eager = clone_state(engine.state), clone_state(engine.state)
+    verified = clone_state(engine.state)
     kernel = kernel_model.recurrence_kernel
-    commit_blocks(eager, slots, kept, kernel)
-    device = engine.state.recurrent_state.device
+    device = verified.recurrent_state.device
     as_tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
-    commit_on_device(engine.state, as_tensor(slots), as_tensor(kept), kernel)
-    record_commits(engine.state, slots, kept)
-    assert_same_state(engine.state, eager)
-    for slot in slots:  # and it did something
-        assert not torch.equal(
-            engine.state.recurrent_state[:, slot], before.recurrent_state[:, slot]
-        )
-        assert not torch.equal(engine.state.conv_state[:, slot], before.conv_state[:, slot])
+    cases = [([2, 0, 3, 1], [12, 16, 5, 1]), ([1], [16]), ([3], [4]), ([0, 2], [16, 7])]
+    for slots, kept in cases:
+        eager, on_device = clone_state(verified), clone_state(verified)
+        commit_blocks(eager, slots, kept, kernel)
+        commit_on_device(on_device, as_tensor(slots), as_tensor(kept), kernel)
+        record_commits(on_device, slots, kept)
+        assert_same_state(on_device, eager, (slots, kept))
+        for slot in slots:  # and it did something
+            for name in ("recurrent_state", "conv_state"):
+                after = getattr(on_device, name)[:, slot]
+                assert not torch.equal(after, getattr(verified, name)[:, slot]), (slot, name)
 
 
 def assert_commit_graphs_change_no_bit(model, batch_size, rounds=12, seed=5):
     """Two graphed engines, one committing through `CommitGraphs`, fed the same prompts,
     blocks (of 16, 9 and 1 tokens, so the forwards run 16- and 1-token graphs) and kept
-    counts (whole blocks included): every verify's logits and every state after each commit
-    are equal bit for bit."""
+    counts (whole blocks included), each round's commit split into two calls of random
+    slots (so every captured batch size replays, not only the verify's): every verify's
+    logits and every state after each commit are equal bit for bit. Every slot is opened
+    (max_slots = batch_size): capturing leaves stale state in slots no sequence reset."""
     engines = [
         new_engine(model, tuple(range(1, batch_size + 1)), max_slots=batch_size,
                    block_prefill_max_tokens=0, commit_graphs=with_graphs)
@@ -219,8 +221,11 @@ def assert_commit_graphs_change_no_bit(model, batch_size, rounds=12, seed=5):
         kept = [rng.choice((n, rng.randint(1, n))) for n in lengths]
         logits = [e.verify(slots, blocks).logits for e, slots in zip(engines, opened, strict=True)]
         assert torch.equal(logits[0], logits[1]), round_index
-        for engine, slots in zip(engines, opened, strict=True):
-            engine.commit_many(slots, kept)
+        order = rng.sample(range(batch_size), batch_size)
+        cut = rng.randint(1, batch_size)
+        for part in (order[:cut], order[cut:]):
+            for engine, slots in zip(engines, opened, strict=True):
+                engine.commit_many([slots[i] for i in part], [kept[i] for i in part])
         assert_same_state(engines[1].state, engines[0].state, (round_index, lengths, kept))
 
 

@@ -6,7 +6,9 @@ recurrent state is the block's final state when every token its forward ran is k
 (a block padded to a graph's length or to the batch's longest block never is), else the committed
 state advanced over the kept tokens with the block's recorded inputs, by the same
 recurrence the verify ran (plain torch `replay_state`, or the Triton kernel on the GPU path),
-so the result is bit for bit the state the verify passed through after those tokens.
+so the result is bit for bit the state the verify passed through after those tokens. The
+capturable commit (`commit_on_device`, for `CommitGraphs`) replays whole blocks too, which
+the kernel makes the same final state bit for bit.
 """
 
 from __future__ import annotations
