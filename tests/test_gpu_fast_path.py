@@ -153,15 +153,6 @@ def test_commit_prefix_then_decode_equals_direct(kernel_model, num_kept):
     assert torch.equal(after, decode(direct, slot, continuation))
 
 
-def assert_same_state(got, want, context=None) -> None:
-    """Every tensor and list of two TargetStates equal, bit for bit."""
-    for name, value in vars(want).items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(getattr(got, name), value), (context, name)
-        elif isinstance(value, list):
-            assert getattr(got, name) == value, (context, name)
-
-
 def test_commit_on_device_equals_the_eager_commit_bit_for_bit(kernel_model):
     """The capturable commit (slots and counts read from the device, every block replayed,
     whole ones too) leaves the state the eager commit leaves: replayed prefixes, whole
@@ -169,7 +160,7 @@ def test_commit_on_device_equals_the_eager_commit_bit_for_bit(kernel_model):
     forward that ran them (12 and 9 of 16), one slot alone (the eager commit's views).
     Each case commits the same verified blocks, from a copy of the state after the verify."""
     from target_service.model.commit import commit_blocks, commit_on_device, record_commits
-    from tests.test_recoverable_state import clone_state
+    from tests.test_recoverable_state import assert_same_state, clone_state
 
     engine = new_engine(kernel_model)
     opened = [engine.open_sequence() for _ in range(4)]
@@ -205,6 +196,8 @@ def assert_commit_graphs_change_no_bit(model, batch_size, rounds=12, seed=5):
                    block_prefill_max_tokens=0, commit_graphs=with_graphs)
         for with_graphs in (False, True)
     ]  # fmt: skip
+    from tests.test_recoverable_state import assert_same_state
+
     assert engines[0].commit_graphs is None and engines[1].commit_graphs.has(batch_size)
     rng = random.Random(seed)
     vocab = model.config.vocab_size

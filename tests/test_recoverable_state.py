@@ -235,6 +235,15 @@ def clone_state(state):
     return copy
 
 
+def assert_same_state(got, want, context=None) -> None:
+    """Every attribute of two TargetStates equal, tensors bit for bit."""
+    for name, value in vars(want).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(getattr(got, name), value), (context, name)
+        else:
+            assert getattr(got, name) == value, (context, name)
+
+
 @pytest.mark.parametrize("with_kernel", [False, True])
 def test_one_commit_for_a_batch_equals_one_per_slot(model, with_kernel):
     """commit_blocks over several slots (whole blocks, replayed prefixes of different
@@ -251,12 +260,7 @@ def test_one_commit_for_a_batch_equals_one_per_slot(model, with_kernel):
     commit_blocks(together, slots, kept, kernel)
     for slot, n in zip(slots, kept, strict=True):
         commit_blocks(one_by_one, [slot], [n], kernel)
-    for name, value in vars(together).items():
-        expected = getattr(one_by_one, name)
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, expected), name
-        elif isinstance(value, list):
-            assert value == expected, name
+    assert_same_state(together, one_by_one)
     # And it did something: whole blocks take the final state, others a replayed one.
     fresh = recorded_block_state(model, seed=3)
     assert torch.equal(together.recurrent_state[:, 0], fresh.block_final_state[:, 0])
@@ -279,9 +283,7 @@ def test_commit_many_checks_every_slot_before_committing_any(model):
             engine.commit_many(slots, bad_kept)
     with pytest.raises(InvalidRequestError, match="distinct slots"):
         engine.commit_many([slots[0], slots[0]], [1, 1])
-    for name, value in vars(before).items():
-        after = getattr(engine.state, name)
-        assert torch.equal(after, value) if isinstance(value, torch.Tensor) else after == value
+    assert_same_state(engine.state, before)
     engine.commit_many(slots, [3, 2])
     assert [engine.length(s) for s in slots] == [len(PROMPT) + 3, len(PROMPT) + 2]
 
