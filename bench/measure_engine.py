@@ -177,7 +177,7 @@ def build_target(
     int4_reads: str = INT4_READS[0],
     prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS,
     prefill_batch_rows: int = DEFAULT_PREFILL_BATCH_ROWS,
-    commit_graphs: bool = False,
+    commit_graphs: bool = True,
 ) -> TargetEngine:
     """As the target service builds it: on a GPU, Triton kernels for up to max_slots × 16
     rows, verify graphs for batches of 1..max_slots and prefill graphs (unless `fast_path`

@@ -7,7 +7,7 @@ with the GPU synchronised, and prints a torch.profiler table (CPU and CUDA) of a
 and how much of a step the GPU was busy (the rest is host time the GPU waits through). A
 diagnostic, not a benchmark of record.
 
-    python -m bench.profile_step [--layout int4_mlp] [--batch 8] [--commit-graphs]
+    python -m bench.profile_step [--layout int4_mlp] [--batch 8] [--no-commit-graphs]
 """
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ def main() -> None:
     parser.add_argument("--layout", default="int4_mlp", choices=LAYOUTS)
     parser.add_argument("--num-steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-    parser.add_argument("--commit-graphs", action="store_true", help="the service's flag")
+    parser.add_argument(
+        "--commit-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the service's flag",
+    )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="dflash-step-"))
     target_dir = write_target(workdir / "t", QWEN35_4B_TEXT, args.layout, device="cuda")

@@ -161,7 +161,7 @@ class Suite:
                 str(self.dirs["drafter"]),
                 "--int4-reads",
                 self.args.e2e_int4_reads,
-                *(["--commit-graphs"] if self.args.commit_graphs else []),
+                "--commit-graphs" if self.args.commit_graphs else "--no-commit-graphs",
                 *common,
             ]
         )
@@ -445,8 +445,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--commit-graphs",
-        action="store_true",
-        help="the target service's --commit-graphs in the e2e and in_process sections",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the target service's --[no-]commit-graphs in the e2e and in_process sections",
     )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(

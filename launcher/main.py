@@ -167,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target.add_argument(
         "--commit-graphs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="GPU fast path: replay each commit (the accepted prefix's state) from a CUDA "
-        "graph instead of eager launches; off until measured on a GPU (see README)",
+        "graph instead of eager launches (default on; see README)",
     )
     target.add_argument(
         "--int4-reads",

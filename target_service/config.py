@@ -36,7 +36,7 @@ class TargetServiceConfig:
     prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS  # GPU fast path only
     int4_reads: str = INT4_READS[0]  # what the GPU kernels read for 4-bit layers
     prefill_batch_rows: int = DEFAULT_PREFILL_BATCH_ROWS  # GPU fast path only
-    commit_graphs: bool = False  # GPU fast path only: commits replayed from CUDA graphs
+    commit_graphs: bool = True  # GPU fast path only: commits replayed from CUDA graphs
     service: ServiceSettings = field(default_factory=ServiceSettings)
 
     def validate(self) -> None:

@@ -63,7 +63,7 @@ class TargetEngine:
         block_prefill_max_tokens: int | None = None,
         prefill_run_tokens: tuple[int, ...] = (),
         prefill_batch_rows: int | None = None,
-        commit_graphs: bool = False,
+        commit_graphs: bool = True,
     ) -> None:
         """share_features: also write taps into a CUDA buffer other processes can map.
 
@@ -82,8 +82,8 @@ class TargetEngine:
         companions (on the CPU the reference path's matmuls are row-independent at any row
         count). None: those rows (none on the reference path).
         commit_graphs: also capture the commit for the verify graphs' batch sizes
-        (`CommitGraphs`); off by default until measured on a GPU, and ignored without
-        verify graphs (commits then run eagerly).
+        (`CommitGraphs`: the eager commit is mostly host time); ignored without verify
+        graphs (commits then run eagerly).
         """
         config = model.config
         bad = [i for i in tap_layer_ids if not 0 <= i < config.num_hidden_layers]

@@ -34,8 +34,6 @@ class TargetRuntime:
         shape = StateShape(service.max_sessions, service.max_context_tokens)
         is_fast = service.uses_gpu_fast_path()
         graph_batch_sizes = tuple(range(1, service.max_batch_size + 1)) if is_fast else ()
-        if config.commit_graphs and not is_fast:
-            logger.warning("--commit-graphs ignored: commits are graphed on the GPU fast path only")
         with fast_path_startup(is_fast):
             if is_fast:
                 model.use_gpu_kernels(
@@ -50,7 +48,7 @@ class TargetRuntime:
                 graph_batch_sizes=graph_batch_sizes,
                 prefill_run_tokens=config.prefill_graph_tokens if is_fast else (),
                 prefill_batch_rows=config.prefill_batch_rows if is_fast else None,
-                commit_graphs=config.commit_graphs and is_fast,
+                commit_graphs=config.commit_graphs,  # ignored without verify graphs
             )
             if is_fast:
                 began = time.perf_counter()

@@ -230,11 +230,11 @@ def test_commit_graphs_change_no_bit(kernel_model, batch_size):
 
 
 def test_commit_graphs_are_a_target_flag_and_need_the_verify_graphs(kernel_model):
-    """Off unless asked for; an engine without verify graphs (as on a CPU) commits eagerly."""
+    """On unless turned off; an engine without verify graphs (as on a CPU) commits eagerly."""
     from launcher.main import build_parser
 
     parse = lambda *flags: build_parser().parse_args(["target", "--model", "m", *flags])  # noqa: E731
-    assert not parse().commit_graphs and parse("--commit-graphs").commit_graphs
+    assert parse().commit_graphs and not parse("--no-commit-graphs").commit_graphs
     engine = new_engine(kernel_model, commit_graphs=True)  # no graph_batch_sizes
     assert engine.commit_graphs is None
     slot = engine.open_sequence()
