@@ -26,12 +26,14 @@ def kernel_table(engine, slots, blocks, top: int) -> str:
         for slot in slots:
             engine.commit(slot, 1)
 
-    graphs, engine.graphs = engine.graphs, None  # eager: kernels by name, not one graph
+    # Eager, verify and commit: kernels by name, not one graph.
+    graphs, commit_graphs = engine.graphs, engine.commit_graphs
+    engine.graphs = engine.commit_graphs = None
     step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    engine.graphs = graphs
+    engine.graphs, engine.commit_graphs = graphs, commit_graphs
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
 
 

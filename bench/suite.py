@@ -97,6 +97,7 @@ class Suite:
     def layouts(self) -> None:
 
         self.results["hbm_gbps"] = hbm_bandwidth_gbps(self.device)
+        self.results["layouts_commit_graphs"] = self.args.commit_graphs
         drafter = measure_engine.build_drafter(
             self.dirs["drafter"], self.dirs["bf16"], 2, 4096, self.device
         )
@@ -106,7 +107,12 @@ class Suite:
         for layout in self.args.layouts:
             weight_bytes = measure_engine.weight_bytes_per_forward(self.dirs[layout])
             engine = measure_engine.build_target(  # 4-bit layers: their bf16 copy, then packed
-                self.dirs[layout], 2, 4096, self.device, int4_reads="bf16"
+                self.dirs[layout],
+                2,
+                4096,
+                self.device,
+                int4_reads="bf16",
+                commit_graphs=self.args.commit_graphs,
             )
             self.results["layouts"][layout] = {
                 "weight_bytes": weight_bytes,
@@ -119,7 +125,12 @@ class Suite:
                 gc.collect()
                 empty_cache()
                 engine = measure_engine.build_target(
-                    self.dirs[layout], 2, 4096, self.device, int4_reads="int4"
+                    self.dirs[layout],
+                    2,
+                    4096,
+                    self.device,
+                    int4_reads="int4",
+                    commit_graphs=self.args.commit_graphs,
                 )
                 verify_ms = measure_engine.verify_step_ms(engine)
                 self.results["layouts"][layout]["verify_ms_int4_reads"] = verify_ms
@@ -136,7 +147,11 @@ class Suite:
         self.results["spec_equals_ar"] = {
             "batch1": measure_engine.spec_equals_ar(engine, None, 1),
             "batch8": measure_engine.spec_equals_ar(
-                measure_engine.build_target(self.dirs["bf16"], 8, 512, self.device), None, 8
+                measure_engine.build_target(
+                    self.dirs["bf16"], 8, 512, self.device, commit_graphs=self.args.commit_graphs
+                ),
+                None,
+                8,
             ),
         }
 
@@ -447,7 +462,7 @@ def main() -> None:
         "--commit-graphs",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="the target service's --[no-]commit-graphs in the e2e and in_process sections",
+        help="the target service's --[no-]commit-graphs, for every target the suite builds",
     )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
