@@ -191,13 +191,13 @@ def assert_commit_graphs_change_no_bit(model, batch_size, rounds=12, seed=5):
     slots (so every captured batch size replays, not only the verify's): every verify's
     logits and every state after each commit are equal bit for bit. Every slot is opened
     (max_slots = batch_size): capturing leaves stale state in slots no sequence reset."""
+    from tests.test_recoverable_state import assert_same_state
+
     engines = [
         new_engine(model, tuple(range(1, batch_size + 1)), max_slots=batch_size,
                    block_prefill_max_tokens=0, commit_graphs=with_graphs)
         for with_graphs in (False, True)
     ]  # fmt: skip
-    from tests.test_recoverable_state import assert_same_state
-
     assert engines[0].commit_graphs is None and engines[1].commit_graphs.has(batch_size)
     rng = random.Random(seed)
     vocab = model.config.vocab_size

@@ -5,8 +5,7 @@ recurrent state and one scratch recurrent state (the state after the whole last 
 A verify never touches the committed state; `commit(n)` either adopts the scratch state
 (every block token kept) or replays the recurrence over the n kept tokens from the committed
 state using the block's cached per-token inputs (with commit graphs, always the replay: the
-same bits). That is two recurrent states per sequence,
-never one per draft position.
+same bits). That is two recurrent states per sequence, never one per draft position.
 """
 
 from __future__ import annotations
