@@ -20,10 +20,11 @@ from dflash_serve.speculative.types import SamplingParams
 
 @dataclass
 class StepTimes:
-    """Per-step (wall_ns, forward_ns) of verify and draft calls."""
+    """Per-step (wall_ns, forward_ns) of verify and draft calls, and of the prefill."""
 
     verify: list[tuple[int, int]] = field(default_factory=list)
     draft: list[tuple[int, int]] = field(default_factory=list)
+    prefill: list[tuple[int, int]] = field(default_factory=list)
 
 
 class TimedTarget:
@@ -31,7 +32,10 @@ class TimedTarget:
         self.session, self.times = session, times
 
     async def prefill(self, prompt_ids):
-        return await self.session.prefill(prompt_ids)
+        began = time.perf_counter_ns()
+        step = await self.session.prefill(prompt_ids)
+        self.times.prefill.append((time.perf_counter_ns() - began, step.forward_ns))
+        return step
 
     async def verify(self, block_ids):
         began = time.perf_counter_ns()
@@ -67,6 +71,7 @@ class RequestResult:
     ttft_s: float
     total_s: float
     times: StepTimes
+    opened_s: float  # both sessions open (the rest of ttft_s is the prefill)
 
     @property
     def tpot_s(self) -> float:
@@ -91,13 +96,14 @@ async def run_request(
         max_context = (await target.info()).max_context_tokens
     began = time.perf_counter()
     use_drafter = drafter is not None and tau is not None
+    drafter_session = None
+    if use_drafter:  # first, as the gateway opens them: the prompt follows the target's open
+        real = await drafter.open(transport, shared) if shared else await drafter.open(transport)
+        drafter_session = ImposedAcceptanceDrafter(real, continuation, tau, vocab, times)
     session = TimedTarget(
         await target.open(SamplingParams(), transport if use_drafter else "none"), times
     )
-    drafter_session = None
-    if use_drafter:
-        real = await drafter.open(transport, shared) if shared else await drafter.open(transport)
-        drafter_session = ImposedAcceptanceDrafter(real, continuation, tau, vocab, times)
+    opened = time.perf_counter() - began
     gen = SpeculativeGeneration(
         session, drafter_session, prompt, StopRules(max_new), 15, max_context
     )
@@ -109,7 +115,7 @@ async def run_request(
     await session.close()
     if drafter_session is not None:
         await drafter_session.close()
-    return RequestResult(tokens, ttft, total, times)
+    return RequestResult(tokens, ttft, total, times, opened)
 
 
 def overhead_fraction(times: StepTimes) -> float:
@@ -172,6 +178,9 @@ async def concurrent_throughput(
     return {
         "tok_s": round(sum(len(r.tokens) for r in results) / elapsed, 2),
         "mean_ttft_ms": round(statistics.mean(r.ttft_s for r in results) * 1e3, 2),
+        # TTFT's parts: opening the two sessions, then the prefill (its forward and waits).
+        "mean_open_ms": round(statistics.mean(r.opened_s for r in results) * 1e3, 2),
+        "prefill_ms": step_ms([pair for r in results for pair in r.times.prefill]),
         "mean_decode_ms": round(statistics.mean(r.total_s - r.ttft_s for r in results) * 1e3, 2),
         "verify_ms": step_ms([pair for r in results for pair in r.times.verify]),
         "draft_ms": step_ms([pair for r in results for pair in r.times.draft]),

@@ -4,7 +4,9 @@ A request waits at most `max_wait_us` for companions (no longer than until every
 that could send one has), and a batch holds at most `max_batch_size` requests. Engines are
 not re-entrant: all engine work runs one call at a time. Long work (a long prefill, open,
 close) goes through `run_exclusive` to the batcher's own thread, and the event loop stays
-free meanwhile; short prompts that may share a forward are submitted like any request.
+free meanwhile; short prompts that may share a forward are submitted like any request, and
+a session opened through `open_session` is waited for from then on, so that the prompts of
+sessions opening together meet in one batch.
 With `inline_batches` (the services' GPU fast path, whose graph-replayed forwards take
 milliseconds) a batch runs on the event loop itself when that thread is idle: a trip
 to the thread and back cost ~0.2 ms per batch on the H200's host, twice per speculative
@@ -82,6 +84,7 @@ class DynamicBatcher(Generic[Request, Result]):
         self._session_of = session_of
         self._recent_s = recent_s
         self._last_seen: dict[Hashable, float] = {}
+        self._opening: set[object] = set()  # sessions being opened (`open_session`)
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._trace_name = thread_name
@@ -104,8 +107,31 @@ class DynamicBatcher(Generic[Request, Result]):
         self._wakeup.set()
         return await future
 
+    async def open_session(self, open_fn: Callable[[], Hashable]) -> Hashable:
+        """Run `open_fn` (it opens a session and returns its key) on the batcher's thread.
+        From this call on, batches wait for the new session's first request as for a
+        session served a moment ago: the prompts of sessions that open together then share
+        a batch, instead of the first prompt running alone while the others still open.
+        Until `open_fn` returns, the session also counts among the `num_possible_requests`."""
+        loop = asyncio.get_running_loop()
+        opening = object()  # the session's stand-in until open_fn has named it
+        self._opening.add(opening)
+        if self._session_of is not None:
+            self._last_seen[opening] = loop.time()
+        try:
+            session = await self._on_thread(open_fn)
+        finally:
+            self._opening.discard(opening)
+            self._last_seen.pop(opening, None)
+            if self._wakeup is not None:  # a failed open: a waiting batch expects one fewer
+                self._wakeup.set()
+        if self._session_of is not None:
+            self._last_seen[session] = loop.time()
+        return session
+
     def forget(self, session: Hashable) -> None:
-        """A session closed: stop waiting for it (and its slot's next owner starts afresh)."""
+        """Stop waiting for a session until it sends again: it closed (and its slot's next
+        owner starts afresh), or its next work does not come through the batch queue."""
         if self._last_seen.pop(session, None) is not None and self._wakeup is not None:
             self._wakeup.set()
 
@@ -166,8 +192,8 @@ class DynamicBatcher(Generic[Request, Result]):
 
     def _largest_possible_batch(self) -> int:
         largest = self.max_batch_size
-        if self._num_possible_requests is not None:
-            largest = min(largest, self._num_possible_requests())
+        if self._num_possible_requests is not None:  # the open sessions, and those opening
+            largest = min(largest, self._num_possible_requests() + len(self._opening))
         if self._session_of is not None:
             since = asyncio.get_running_loop().time() - self._recent_s
             stale = [key for key, at in self._last_seen.items() if at < since]

@@ -164,22 +164,27 @@ class Generator:
         yield Finished(finish_reason, usage)
 
     async def _open_sessions(self, request: GenerationRequest):
+        """The drafter's session first: from its open on, the target waits for a session's
+        prompt (so that sessions opening together share a prefill forward), so the prompt
+        should follow the target's open at once, not after another service's round trip."""
         backends, timeout = self.backends, self.config.request_timeout_s
-        transport = backends.feature_transport if backends.is_drafter_usable else "none"
-        try:
-            target_session = await backends.target.open(request.sampling, transport, timeout)
-        except grpc.aio.AioRpcError as error:
-            raise target_unavailable(error) from error
-        if transport == "none":
-            return target_session, None
+        if not backends.is_drafter_usable:
+            return await self._open_target_only(request)
+        transport = backends.feature_transport
         try:
             drafter_session = await backends.drafter.open(
                 transport, backends.shared_buffer, timeout
             )
         except grpc.aio.AioRpcError as error:
             backends.drafter_failed(error)
-            await target_session.close()
             return await self._open_target_only(request)
+        try:
+            target_session = await backends.target.open(request.sampling, transport, timeout)
+        except BaseException as error:
+            await drafter_session.close()
+            if isinstance(error, grpc.aio.AioRpcError):
+                raise target_unavailable(error) from error
+            raise
         return target_session, drafter_session
 
     async def _open_target_only(self, request: GenerationRequest):

@@ -50,7 +50,7 @@ class InProcessTarget:
 
     async def open(self, sampling: SamplingParams) -> TargetSequence:
         sampling.validate()
-        slot = await self.batcher.run_exclusive(self.engine.open_sequence)
+        slot = await self.batcher.open_session(self.engine.open_sequence)
         return TargetSequence(self, slot, sampling)
 
     def close(self) -> None:
@@ -79,6 +79,7 @@ class TargetSequence:
                 except Exception:  # whatever failed, the session can prefill again
                     await self.owner.batcher.run_exclusive(engine.reset_sequence, self.slot)
                     raise
+            self.owner.batcher.forget(self.slot)  # batches need not wait for this prompt
             return await self.owner.batcher.run_exclusive(
                 prefill_and_choose, engine, self.slot, prompt_ids, self.sampling
             )

@@ -191,6 +191,91 @@ def test_a_session_going_stale_during_the_wait_ends_it():
     assert batches == [[("a", 1)], [("b", 1)]]
 
 
+def open_then_submit(batcher, name, delay_s):
+    """A session as a client runs it: open (on the batcher's thread), then its first request
+    `delay_s` later (the client's round trips)."""
+
+    async def go():
+        session = await batcher.open_session(lambda: name)
+        await asyncio.sleep(delay_s)
+        return await batcher.submit((session, "prompt"))
+
+    return go()
+
+
+def test_sessions_opening_together_meet_in_one_batch():
+    """b's open returns at once but its prompt comes 0.1 s after a's: a's prompt waits for it
+    (a just-opened session counts as recently served), and no longer (max_wait_us is 3 s)."""
+    batches = []
+    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=10.0)
+    run_concurrently(
+        batcher, open_then_submit(batcher, "a", 0), open_then_submit(batcher, "b", 0.1)
+    )
+    assert batches == [[("a", "prompt"), ("b", "prompt")]]
+
+
+def test_a_session_still_opening_is_waited_for():
+    """b's open is still on the thread (a slow one) when a's prompt arrives, so the open
+    sessions are one: a waits for b all the same."""
+    batches, opened = [], []
+    batcher = recording_batcher(
+        batches, lambda: len(opened), session_of=lambda r: r[0], recent_s=10.0
+    )
+
+    def open_a():
+        opened.append("a")
+        return "a"
+
+    def open_b():
+        time.sleep(0.1)
+        opened.append("b")
+        return "b"
+
+    async def a():
+        session = await batcher.open_session(open_a)
+        await asyncio.sleep(0.03)  # b is opening by now
+        return await batcher.submit((session, "prompt"))
+
+    async def b():
+        await asyncio.sleep(0.01)  # after a's open
+        session = await batcher.open_session(open_b)
+        return await batcher.submit((session, "prompt"))
+
+    run_concurrently(batcher, a(), b())
+    assert batches == [[("a", "prompt"), ("b", "prompt")]]
+
+
+def test_an_opened_session_that_sends_elsewhere_is_not_waited_for():
+    """b opens, then runs its prompt outside the batch queue (a long prefill) and says so:
+    a runs without waiting out max_wait_us (the 2 s timeout would fail the test)."""
+    batches = []
+    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=10.0)
+
+    async def b():
+        session = await batcher.open_session(lambda: "b")
+        await asyncio.sleep(0.05)
+        batcher.forget(session)
+
+    run_concurrently(batcher, open_then_submit(batcher, "a", 0), b())
+    assert batches == [[("a", "prompt")]]
+
+
+def test_a_failed_open_is_not_waited_for():
+    batches = []
+    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=10.0)
+
+    def failing_open():
+        time.sleep(0.05)
+        raise RuntimeError("no slot")
+
+    async def b():
+        with pytest.raises(RuntimeError, match="no slot"):
+            await batcher.open_session(failing_open)
+
+    run_concurrently(batcher, open_then_submit(batcher, "a", 0.01), b())
+    assert batches == [[("a", "prompt")]]
+
+
 def test_a_batch_with_the_wrong_number_of_results_fails_its_requests():
     batcher = DynamicBatcher(lambda requests: [], 8, 0, "broken")
 

@@ -275,6 +275,31 @@ def test_sessions_starting_together_share_prefill_forwards(reference_model, monk
         assert next_step.token_ids == [greedy_next]
 
 
+def test_sessions_opening_together_share_a_prefill_forward(reference_model, monkeypatch):
+    """Three clients open at once and each sends its prompt when its open returns, the
+    later two after a round trip of 50 ms: the first prompt waits for the sessions that are
+    opening (not just for those already sending), so all three share one forward."""
+    engine = new_engine(reference_model)
+    target = InProcessTarget(engine, max_wait_us=LONG_WAIT_US)
+    forwards = record_padded_forwards(monkeypatch)
+
+    async def client(prompt, round_trip_s):
+        session = await target.open(SamplingParams())
+        await asyncio.sleep(round_trip_s)
+        return await session.prefill(prompt)
+
+    async def start_all():
+        clients = (client(p, 0.02 * (i > 0)) for i, p in enumerate(PROMPTS))
+        return await asyncio.wait_for(asyncio.gather(*clients), 30)
+
+    try:
+        steps = asyncio.run(start_all())
+    finally:
+        target.close()
+    assert forwards == [(3, 32)]
+    assert [step.batch_size for step in steps] == [3, 3, 3]
+
+
 def test_sampled_prompts_choose_their_first_token_as_alone(reference_model):
     """Prompts with different sampling settings in one forward: each first token as
     `prefill_and_choose` alone draws it (its own seed, its own position)."""
