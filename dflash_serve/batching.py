@@ -5,8 +5,9 @@ that could send one has), and a batch holds at most `max_batch_size` requests. E
 not re-entrant: all engine work runs one call at a time. Long work (a long prefill, open,
 close) goes through `run_exclusive` to the batcher's own thread, and the event loop stays
 free meanwhile; short prompts that may share a forward are submitted like any request, and
-a session opened through `open_session` is waited for from then on, so that the prompts of
-sessions opening together meet in one batch.
+a session opened through `open_session` is waited for like one served a moment ago (until
+its first request, or for `recent_s`), so that the prompts of sessions opening together
+meet in one batch.
 With `inline_batches` (the services' GPU fast path, whose graph-replayed forwards take
 milliseconds) a batch runs on the event loop itself when that thread is idle: a trip
 to the thread and back cost ~0.2 ms per batch on the H200's host, twice per speculative
@@ -128,6 +129,17 @@ class DynamicBatcher(Generic[Request, Result]):
         if self._session_of is not None:
             self._last_seen[session] = loop.time()
         return session
+
+    async def run_exclusive_for(self, session: Hashable, fn: Callable, *args):
+        """`fn(*args)` on the batcher's thread as `session`'s next work, outside the batch
+        queue (a long prompt): batches stop waiting for the session, and the requests
+        pending now run first, as they would had the session's work been one of them, instead
+        of queueing behind it on the thread."""
+        self.forget(session)
+        pending = [future for _, future in self._pending]
+        if pending:
+            await asyncio.wait(pending)
+        return await self._on_thread(fn, *args)
 
     def forget(self, session: Hashable) -> None:
         """Stop waiting for a session until it sends again: it closed (and its slot's next

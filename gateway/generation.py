@@ -176,8 +176,9 @@ class Generator:
                 transport, backends.shared_buffer, timeout
             )
         except grpc.aio.AioRpcError as error:
-            backends.drafter_failed(error)
-            return await self._open_target_only(request)
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # full: not failed
+                backends.drafter_failed(error)
+            return await self._open_target_only(request)  # the same tokens, undrafted
         try:
             target_session = await backends.target.open(request.sampling, transport, timeout)
         except BaseException as error:

@@ -79,9 +79,8 @@ class TargetSequence:
                 except Exception:  # whatever failed, the session can prefill again
                     await self.owner.batcher.run_exclusive(engine.reset_sequence, self.slot)
                     raise
-            self.owner.batcher.forget(self.slot)  # batches need not wait for this prompt
-            return await self.owner.batcher.run_exclusive(
-                prefill_and_choose, engine, self.slot, prompt_ids, self.sampling
+            return await self.owner.batcher.run_exclusive_for(
+                self.slot, prefill_and_choose, engine, self.slot, prompt_ids, self.sampling
             )
         began_ns = time.perf_counter_ns()
         batcher = self.owner.batcher

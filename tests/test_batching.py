@@ -245,19 +245,31 @@ def test_a_session_still_opening_is_waited_for():
     assert batches == [[("a", "prompt"), ("b", "prompt")]]
 
 
-def test_an_opened_session_that_sends_elsewhere_is_not_waited_for():
-    """b opens, then runs its prompt outside the batch queue (a long prefill) and says so:
-    a runs without waiting out max_wait_us (the 2 s timeout would fail the test)."""
-    batches = []
-    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=10.0)
+def test_work_outside_the_queue_goes_after_the_requests_pending_for_it():
+    """a's prompt waits for b (just opened); b's next work is a long job outside the batch
+    queue (a long prompt): a's batch stops waiting and runs first, not behind the job on the
+    thread (nor after max_wait_us: the 2 s timeout would fail the test)."""
+    events = []
+
+    def run_batch(requests):
+        events.append(("batch", sorted(r[0] for r in requests)))
+        return list(requests)
+
+    batcher = DynamicBatcher(
+        run_batch, 8, MAX_WAIT_US, "wait", None, lambda: 2, session_of=lambda r: r[0]
+    )
+
+    def long_job():
+        events.append(("job", "b"))
+        time.sleep(0.1)
 
     async def b():
         session = await batcher.open_session(lambda: "b")
-        await asyncio.sleep(0.05)
-        batcher.forget(session)
+        await asyncio.sleep(0.05)  # a's prompt is waiting for b by now
+        await batcher.run_exclusive_for(session, long_job)
 
     run_concurrently(batcher, open_then_submit(batcher, "a", 0), b())
-    assert batches == [[("a", "prompt")]]
+    assert events == [("batch", ["a"]), ("job", "b")]
 
 
 def test_a_failed_open_is_not_waited_for():

@@ -17,10 +17,8 @@ from gateway.openai_errors import ApiError
 from gateway.schemas import GenerationRequest
 
 
-def unavailable(service: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), f"{service} down"
-    )
+def rpc_error(service: str, code=grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), f"{service} down")
 
 
 class FakeSession:
@@ -32,11 +30,12 @@ class FakeSession:
 
 
 class FakeBackends:
-    """Records each open and close; `failing` names the services whose open fails."""
+    """Records each open and close; `failing` names the services whose open fails (with
+    `code`)."""
 
-    def __init__(self, failing: set[str]) -> None:
+    def __init__(self, failing: set[str], code=grpc.StatusCode.UNAVAILABLE) -> None:
         self.events: list[str] = []
-        self.failing = failing
+        self.failing, self.code = failing, code
         self.is_drafter_usable, self.feature_transport, self.shared_buffer = True, "inline", None
         self.target, self.drafter = self.Target(self), self.Drafter(self)
         self.drafter_errors: list[Exception] = []
@@ -47,7 +46,7 @@ class FakeBackends:
     def open(self, name: str, transport: str) -> FakeSession:
         self.events.append(f"open {name} {transport}")
         if name in self.failing:
-            raise unavailable(name)
+            raise rpc_error(name, self.code)
         return FakeSession(name, self.events)
 
     class Target:
@@ -94,6 +93,16 @@ def test_a_failed_drafter_open_falls_back_to_target_only():
     assert target.name == "target" and drafter is None
     assert backends.events == ["open drafter inline", "open target none"]
     assert len(backends.drafter_errors) == 1
+
+
+def test_a_full_drafter_runs_the_request_target_only_and_stays_usable():
+    """RESOURCE_EXHAUSTED (every drafter session taken) is no failure of the drafter: this
+    request alone runs without drafts, and speculation stays on for the others."""
+    backends = FakeBackends(failing={"drafter"}, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    target, drafter = open_sessions(backends)
+    assert target.name == "target" and drafter is None
+    assert backends.events == ["open drafter inline", "open target none"]
+    assert backends.drafter_errors == []
 
 
 def test_an_unusable_drafter_is_not_opened():

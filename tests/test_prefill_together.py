@@ -17,6 +17,7 @@ from dflash_serve.errors import InvalidRequestError
 from dflash_serve.layers.linear import fits_row_kernel, row_kernels_up_to
 from dflash_serve.speculative.types import SamplingParams
 from target_service import prefill_graphs, speculative_step
+from target_service import session as session_module
 from target_service.engine import TargetEngine
 from target_service.model.state import StateShape
 from target_service.session import InProcessTarget
@@ -277,7 +278,7 @@ def test_sessions_starting_together_share_prefill_forwards(reference_model, monk
 
 def test_sessions_opening_together_share_a_prefill_forward(reference_model, monkeypatch):
     """Three clients open at once and each sends its prompt when its open returns, the
-    later two after a round trip of 50 ms: the first prompt waits for the sessions that are
+    later two after a round trip of 20 ms: the first prompt waits for the sessions that are
     opening (not just for those already sending), so all three share one forward."""
     engine = new_engine(reference_model)
     target = InProcessTarget(engine, max_wait_us=LONG_WAIT_US)
@@ -298,6 +299,44 @@ def test_sessions_opening_together_share_a_prefill_forward(reference_model, monk
         target.close()
     assert forwards == [(3, 32)]
     assert [step.batch_size for step in steps] == [3, 3, 3]
+
+
+def test_a_long_prompt_of_a_session_opening_alongside_goes_after_the_short_one(
+    reference_model, monkeypatch
+):
+    """Two sessions open at once; the first sends a short prompt (it waits for the other,
+    just opened), the second a prompt too long to share a forward: the short prompt's
+    forward runs first, not queued behind the long prefill on the engine thread."""
+    engine = new_engine(reference_model)
+    target = InProcessTarget(engine, max_wait_us=LONG_WAIT_US)
+    order = []
+    alone = session_module.prefill_and_choose
+    monkeypatch.setattr(
+        session_module,
+        "prefill_and_choose",
+        lambda *args: order.append("long") or alone(*args),
+    )
+    shared = prefill_graphs.padded_prefill
+    monkeypatch.setattr(
+        prefill_graphs, "padded_prefill", lambda *args: order.append("short") or shared(*args)
+    )
+    long_prompt = [3] * (max(RUN_TOKENS) + 6)
+    assert not engine.shares_prefills(0, len(long_prompt))
+
+    async def client(prompt, round_trip_s):
+        session = await target.open(SamplingParams())
+        await asyncio.sleep(round_trip_s)
+        return await session.prefill(prompt)
+
+    async def start_both():
+        clients = client(PROMPTS[0], 0), client(long_prompt, 0.05)
+        return await asyncio.wait_for(asyncio.gather(*clients), 30)
+
+    try:
+        asyncio.run(start_both())
+    finally:
+        target.close()
+    assert order == ["short", "long"]
 
 
 def test_sampled_prompts_choose_their_first_token_as_alone(reference_model):
