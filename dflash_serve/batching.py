@@ -124,7 +124,7 @@ class DynamicBatcher(Generic[Request, Result]):
         finally:
             self._opening.discard(opening)
             self._last_seen.pop(opening, None)
-            if self._wakeup is not None:  # a failed open: a waiting batch expects one fewer
+            if self._wakeup is not None:  # a waiting batch counts again (one fewer if it failed)
                 self._wakeup.set()
         if self._session_of is not None:
             self._last_seen[session] = loop.time()

@@ -276,6 +276,13 @@ def test_sessions_starting_together_share_prefill_forwards(reference_model, monk
         assert next_step.token_ids == [greedy_next]
 
 
+async def open_then_prefill(target, prompt, round_trip_s):
+    """A client: open a session, then send its prompt `round_trip_s` after the open returns."""
+    session = await target.open(SamplingParams())
+    await asyncio.sleep(round_trip_s)
+    return await session.prefill(prompt)
+
+
 def test_sessions_opening_together_share_a_prefill_forward(reference_model, monkeypatch):
     """Three clients open at once and each sends its prompt when its open returns, the
     later two after a round trip of 20 ms: the first prompt waits for the sessions that are
@@ -284,13 +291,8 @@ def test_sessions_opening_together_share_a_prefill_forward(reference_model, monk
     target = InProcessTarget(engine, max_wait_us=LONG_WAIT_US)
     forwards = record_padded_forwards(monkeypatch)
 
-    async def client(prompt, round_trip_s):
-        session = await target.open(SamplingParams())
-        await asyncio.sleep(round_trip_s)
-        return await session.prefill(prompt)
-
     async def start_all():
-        clients = (client(p, 0.02 * (i > 0)) for i, p in enumerate(PROMPTS))
+        clients = (open_then_prefill(target, p, 0.02 * (i > 0)) for i, p in enumerate(PROMPTS))
         return await asyncio.wait_for(asyncio.gather(*clients), 30)
 
     try:
@@ -323,13 +325,11 @@ def test_a_long_prompt_of_a_session_opening_alongside_goes_after_the_short_one(
     long_prompt = [3] * (max(RUN_TOKENS) + 6)
     assert not engine.shares_prefills(0, len(long_prompt))
 
-    async def client(prompt, round_trip_s):
-        session = await target.open(SamplingParams())
-        await asyncio.sleep(round_trip_s)
-        return await session.prefill(prompt)
-
     async def start_both():
-        clients = client(PROMPTS[0], 0), client(long_prompt, 0.05)
+        clients = (
+            open_then_prefill(target, PROMPTS[0], 0),
+            open_then_prefill(target, long_prompt, 0.05),
+        )
         return await asyncio.wait_for(asyncio.gather(*clients), 30)
 
     try:
