@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Generic, TypeVar
 
 from dflash_serve import step_trace
@@ -108,19 +109,22 @@ class DynamicBatcher(Generic[Request, Result]):
         self._wakeup.set()
         return await future
 
-    async def open_session(self, open_fn: Callable[[], Hashable]) -> Hashable:
+    async def open_session(
+        self, open_fn: Callable[[], Hashable], close_fn: Callable[[Hashable], object]
+    ) -> Hashable:
         """Run `open_fn` (it opens a session and returns its key) on the batcher's thread.
         From this call on, batches wait for the new session's first request as for a
         session served a moment ago: the prompts of sessions that open together then share
         a batch, instead of the first prompt running alone while the others still open.
-        Until `open_fn` returns, the session also counts among the `num_possible_requests`."""
+        Until `open_fn` returns, the session also counts among the `num_possible_requests`.
+        A session whose opener is cancelled meanwhile is closed with `close_fn`."""
         loop = asyncio.get_running_loop()
         opening = object()  # the session's stand-in until open_fn has named it
         self._opening.add(opening)
         if self._session_of is not None:
             self._last_seen[opening] = loop.time()
         try:
-            session = await self._on_thread(open_fn)
+            session = await self.run_exclusive_undoable(open_fn, close_fn)
         finally:
             self._opening.discard(opening)
             self._last_seen.pop(opening, None)
@@ -262,6 +266,24 @@ class DynamicBatcher(Generic[Request, Result]):
         """Run non-batched engine work on the batcher's thread, between batches."""
         return await self._on_thread(fn, *args)
 
+    async def run_exclusive_undoable(self, fn: Callable[[], object], undo_fn: Callable):
+        """`run_exclusive(fn)` for work that takes something (a session's slot): if the waiter
+        is cancelled before it has the result (its client went away), `undo_fn(result)` runs
+        on the thread next, so that nothing taken stays taken with no one to give it back."""
+        work = self._on_thread(fn)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(partial(self._undo_finished, undo_fn))
+            raise
+
+    def _undo_finished(self, undo_fn: Callable, work: asyncio.Future) -> None:
+        if work.cancelled() or work.exception() is not None:
+            return  # nothing was taken
+        with contextlib.suppress(RuntimeError):  # the batcher closed: nothing is left to free
+            undone = self._on_thread(undo_fn, work.result())
+            undone.add_done_callback(_log_failure)
+
     def _on_thread(self, fn: Callable, *args) -> asyncio.Future:
         """`fn(*args)` on the batcher's thread. The work counts until it has finished there,
         even if its waiter is cancelled first, so no inline batch can overlap it."""
@@ -283,3 +305,9 @@ class DynamicBatcher(Generic[Request, Result]):
         if self._worker is not None:
             self._worker.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _log_failure(work: asyncio.Future) -> None:
+    """Done-callback of work no one awaits: its failure is logged, not lost."""
+    if not work.cancelled() and work.exception() is not None:
+        logger.error("work after a cancelled caller failed", exc_info=work.exception())

@@ -34,7 +34,11 @@ class InProcessDrafter:
         )
 
     async def open(self) -> DrafterSequence:
-        return DrafterSequence(self, await self.batcher.run_exclusive(self.engine.open_sequence))
+        engine = self.engine
+        slot = await self.batcher.run_exclusive_undoable(
+            engine.open_sequence, engine.close_sequence
+        )
+        return DrafterSequence(self, slot)
 
     def close(self) -> None:
         self.batcher.close()

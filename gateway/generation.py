@@ -23,7 +23,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import ApiError, bad_request
 from gateway.schemas import GenerationRequest
-from gateway.session_calls import TargetStreamEndedError
+from gateway.session_calls import SessionStreamEndedError
 from gateway.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -54,10 +54,22 @@ class Finished:
     usage: Usage
 
 
+# How a service's failure reaches the gateway: an error status, or a stream that ended early.
+SERVICE_FAILURES = (grpc.aio.AioRpcError, SessionStreamEndedError)
+
+
 def target_unavailable(error: Exception) -> ApiError:
     if isinstance(error, grpc.aio.AioRpcError):
         return ApiError(503, f"the target service failed: {error.code().name}: {error.details()}")
     return ApiError(503, f"the target service failed: {error}")
+
+
+def is_full(error: Exception) -> bool:
+    """Every session of the service is taken (RESOURCE_EXHAUSTED): busy, not broken."""
+    return (
+        isinstance(error, grpc.aio.AioRpcError)
+        and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
 
 
 class Generator:
@@ -147,7 +159,7 @@ class Generator:
                 finish_reason = FINISH_STOP if stopped else finish_reason
                 if text:
                     yield TextDelta(text)
-        except (grpc.aio.AioRpcError, TargetStreamEndedError) as error:
+        except SERVICE_FAILURES as error:
             raise target_unavailable(error) from error
         finally:
             await tokens.aclose()
@@ -175,15 +187,15 @@ class Generator:
             drafter_session = await backends.drafter.open(
                 transport, backends.shared_buffer, timeout
             )
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # full: not failed
+        except SERVICE_FAILURES as error:
+            if not is_full(error):  # a full drafter has not failed
                 backends.drafter_failed(error)
             return await self._open_target_only(request)  # the same tokens, undrafted
         try:
             target_session = await backends.target.open(request.sampling, transport, timeout)
         except BaseException as error:
             await drafter_session.close()
-            if isinstance(error, grpc.aio.AioRpcError):
+            if isinstance(error, SERVICE_FAILURES):
                 raise target_unavailable(error) from error
             raise
         return target_session, drafter_session
@@ -192,5 +204,5 @@ class Generator:
         try:
             timeout = self.config.request_timeout_s
             return await self.backends.target.open(request.sampling, "none", timeout), None
-        except grpc.aio.AioRpcError as error:
+        except SERVICE_FAILURES as error:
             raise target_unavailable(error) from error

@@ -21,15 +21,15 @@ logger = logging.getLogger(__name__)
 REFRESH_AFTER_FAILURE_S = 5.0
 
 
-class TargetStreamEndedError(ConnectionError):
-    """The target closed a session stream without an error status (e.g. it shut down)."""
+class SessionStreamEndedError(ConnectionError):
+    """A service closed a session stream without an error status (e.g. it shut down)."""
 
 
 async def read_event(call, field: str):
-    """The next response's `field`; a stream that ended early raises TargetStreamEndedError."""
+    """The next response's `field`; a stream that ended early raises SessionStreamEndedError."""
     response = await call.read()
     if response is grpc.aio.EOF or response.WhichOneof("event") != field:
-        raise TargetStreamEndedError(f"the session stream ended while waiting for {field}")
+        raise SessionStreamEndedError(f"the session stream ended while waiting for {field}")
     return getattr(response, field)
 
 

@@ -50,7 +50,9 @@ class InProcessTarget:
 
     async def open(self, sampling: SamplingParams) -> TargetSequence:
         sampling.validate()
-        slot = await self.batcher.open_session(self.engine.open_sequence)
+        slot = await self.batcher.open_session(
+            self.engine.open_sequence, self.engine.close_sequence
+        )
         return TargetSequence(self, slot, sampling)
 
     def close(self) -> None:

@@ -10,6 +10,10 @@ import pytest
 import torch
 
 from dflash_serve.batching import DynamicBatcher
+from dflash_serve.speculative.types import SamplingParams
+from drafter_service.engine import DrafterEngine
+from drafter_service.model.loader import load_drafter
+from drafter_service.session import InProcessDrafter
 from target_service.engine import TargetEngine
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
@@ -196,7 +200,7 @@ def open_then_submit(batcher, name, delay_s):
     `delay_s` later (the client's round trips)."""
 
     async def go():
-        session = await batcher.open_session(lambda: name)
+        session = await batcher.open_session(lambda: name, print)
         await asyncio.sleep(delay_s)
         return await batcher.submit((session, "prompt"))
 
@@ -232,13 +236,13 @@ def test_a_session_still_opening_is_waited_for():
         return "b"
 
     async def a():
-        session = await batcher.open_session(open_a)
+        session = await batcher.open_session(open_a, print)
         await asyncio.sleep(0.03)  # b is opening by now
         return await batcher.submit((session, "prompt"))
 
     async def b():
         await asyncio.sleep(0.01)  # after a's open
-        session = await batcher.open_session(open_b)
+        session = await batcher.open_session(open_b, print)
         return await batcher.submit((session, "prompt"))
 
     run_concurrently(batcher, a(), b())
@@ -264,7 +268,7 @@ def test_work_outside_the_queue_goes_after_the_requests_pending_for_it():
         time.sleep(0.1)
 
     async def b():
-        session = await batcher.open_session(lambda: "b")
+        session = await batcher.open_session(lambda: "b", print)
         await asyncio.sleep(0.05)  # a's prompt is waiting for b by now
         await batcher.run_exclusive_for(session, long_job)
 
@@ -282,10 +286,89 @@ def test_a_failed_open_is_not_waited_for():
 
     async def b():
         with pytest.raises(RuntimeError, match="no slot"):
-            await batcher.open_session(failing_open)
+            await batcher.open_session(failing_open, print)
 
     run_concurrently(batcher, open_then_submit(batcher, "a", 0.01), b())
     assert batches == [[("a", "prompt")]]
+
+
+def test_a_session_whose_opener_is_cancelled_is_closed():
+    """The client goes away while its open runs on the thread: the session that open took is
+    closed there, right after; an open whose opener waited for it is not."""
+    batcher = recording_batcher([], lambda: 2, session_of=lambda r: r[0])
+    opening, closed = threading.Event(), []
+
+    def slow_open():
+        opening.wait(2.0)
+        return "a"
+
+    async def go():
+        cancelled = asyncio.ensure_future(batcher.open_session(slow_open, closed.append))
+        await asyncio.sleep(0.05)  # slow_open runs by now
+        cancelled.cancel()
+        opening.set()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        kept = await batcher.open_session(lambda: "b", closed.append)
+        await batcher.run_exclusive(lambda: None)  # after any close queued for a or b
+        return kept
+
+    try:
+        assert asyncio.run(asyncio.wait_for(go(), 2.0)) == "b"
+    finally:
+        batcher.close()
+    assert closed == ["a"]
+
+
+def gated_open(engine, gate: threading.Event, started: threading.Event, opened: list) -> None:
+    """Make the engine's opens wait for `gate` (on the engine thread); `opened` gets the
+    slots they took."""
+    open_sequence = engine.open_sequence
+
+    def open_when_let():
+        started.set()
+        gate.wait(2.0)
+        opened.append(open_sequence())
+        return opened[-1]
+
+    engine.open_sequence = open_when_let
+
+
+@pytest.mark.parametrize("service", ["target", "drafter"])
+def test_a_service_session_whose_client_left_during_its_open_frees_its_slot(
+    service, causal_lm_dir, dflash_dir
+):
+    """One slot: the client of the first open is cancelled while its open runs; the slot it
+    took is freed on the thread right after (it stayed taken before: the wait times out),
+    and the next session gets it."""
+    if service == "target":
+        engine = TargetEngine(load_target_model(causal_lm_dir), StateShape(1, 32))
+        owner, open_args = InProcessTarget(engine), (SamplingParams(),)
+    else:
+        engine = DrafterEngine(load_drafter(dflash_dir, causal_lm_dir), 1, 32)
+        owner, open_args = InProcessDrafter(engine), ()
+    gate, started, opened = threading.Event(), threading.Event(), []
+    gated_open(engine, gate, started, opened)
+
+    async def go():
+        left = asyncio.ensure_future(owner.open(*open_args))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        left.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        while not opened or engine.slots.num_active:  # the open ends, then the close runs
+            await asyncio.sleep(0.01)
+        session = await owner.open(*open_args)
+        await session.close()
+        return session.slot
+
+    try:
+        assert asyncio.run(asyncio.wait_for(go(), 5.0)) == 0
+    finally:
+        owner.close()
+    assert engine.slots.num_active == 0
 
 
 def test_a_batch_with_the_wrong_number_of_results_fails_its_requests():

@@ -15,6 +15,7 @@ from gateway.generation import Generator
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import ApiError
 from gateway.schemas import GenerationRequest
+from gateway.session_calls import SessionStreamEndedError
 
 
 def rpc_error(service: str, code=grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpcError:
@@ -30,12 +31,12 @@ class FakeSession:
 
 
 class FakeBackends:
-    """Records each open and close; `failing` names the services whose open fails (with
-    `code`)."""
+    """Records each open and close; `failing` maps a service to the error its open raises
+    (or to HANG: its open never returns)."""
 
-    def __init__(self, failing: set[str], code=grpc.StatusCode.UNAVAILABLE) -> None:
+    def __init__(self, failing: dict[str, BaseException | object]) -> None:
         self.events: list[str] = []
-        self.failing, self.code = failing, code
+        self.failing = failing
         self.is_drafter_usable, self.feature_transport, self.shared_buffer = True, "inline", None
         self.target, self.drafter = self.Target(self), self.Drafter(self)
         self.drafter_errors: list[Exception] = []
@@ -43,10 +44,13 @@ class FakeBackends:
     def drafter_failed(self, error: Exception) -> None:
         self.drafter_errors.append(error)
 
-    def open(self, name: str, transport: str) -> FakeSession:
+    async def open(self, name: str, transport: str) -> FakeSession:
         self.events.append(f"open {name} {transport}")
-        if name in self.failing:
-            raise rpc_error(name, self.code)
+        failure = self.failing.get(name)
+        if failure is HANG:
+            await asyncio.Event().wait()
+        if failure is not None:
+            raise failure
         return FakeSession(name, self.events)
 
     class Target:
@@ -55,40 +59,77 @@ class FakeBackends:
 
         async def open(self, sampling, transport, timeout_s):
             assert isinstance(sampling, SamplingParams)
-            return self.owner.open("target", transport)
+            return await self.owner.open("target", transport)
 
     class Drafter:
         def __init__(self, owner) -> None:
             self.owner = owner
 
         async def open(self, transport, shared, timeout_s):
-            return self.owner.open("drafter", transport)
+            return await self.owner.open("drafter", transport)
 
 
-def open_sessions(backends: FakeBackends):
+HANG = object()
+STREAM_ENDED = SessionStreamEndedError("the session stream ended while waiting for opened")
+
+
+def opening_sessions(backends: FakeBackends):
     config = GatewayConfig(target_address="-", tokenizer_path="-")
     generator = Generator(config, backends, None, GatewayMetrics("test"))
     request = GenerationRequest(is_chat=False, model=None, prompt_ids=(1, 2))
-    return asyncio.run(generator._open_sessions(request))
+    return generator._open_sessions(request)
+
+
+def open_sessions(backends: FakeBackends):
+    return asyncio.run(opening_sessions(backends))
 
 
 def test_the_drafter_session_opens_before_the_target_session():
-    backends = FakeBackends(failing=set())
+    backends = FakeBackends(failing={})
     target, drafter = open_sessions(backends)
     assert (target.name, drafter.name) == ("target", "drafter")
     assert backends.events == ["open drafter inline", "open target inline"]
 
 
-def test_a_failed_target_open_closes_the_drafter_session():
-    backends = FakeBackends(failing={"target"})
+@pytest.mark.parametrize(
+    "failure, message",
+    [(rpc_error("target"), "UNAVAILABLE: target down"), (STREAM_ENDED, "waiting for opened")],
+)
+def test_a_failed_target_open_is_a_503_and_closes_the_drafter_session(failure, message):
+    """An error status, or a stream that ended before "opened" (the service shut down)."""
+    backends = FakeBackends(failing={"target": failure})
     with pytest.raises(ApiError) as error:
         open_sessions(backends)
-    assert error.value.status == 503 and "target down" in error.value.message
+    assert error.value.status == 503 and message in error.value.message
     assert backends.events == ["open drafter inline", "open target inline", "close drafter"]
 
 
-def test_a_failed_drafter_open_falls_back_to_target_only():
-    backends = FakeBackends(failing={"drafter"})
+def test_a_target_open_cancelled_closes_the_drafter_session():
+    """The client went away while the target's session was opening."""
+    backends = FakeBackends(failing={"target": HANG})
+
+    async def go():
+        opening = asyncio.ensure_future(opening_sessions(backends))
+        await asyncio.sleep(0.05)
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+
+    asyncio.run(asyncio.wait_for(go(), 2.0))
+    assert backends.events == ["open drafter inline", "open target inline", "close drafter"]
+
+
+def test_a_target_only_open_that_fails_is_a_503():
+    backends = FakeBackends(failing={"target": STREAM_ENDED})
+    backends.is_drafter_usable = False
+    with pytest.raises(ApiError) as error:
+        open_sessions(backends)
+    assert error.value.status == 503 and "waiting for opened" in error.value.message
+
+
+@pytest.mark.parametrize("failure", [rpc_error("drafter"), STREAM_ENDED])
+def test_a_failed_drafter_open_falls_back_to_target_only(failure):
+    backends = FakeBackends(failing={"drafter": failure})
     target, drafter = open_sessions(backends)
     assert target.name == "target" and drafter is None
     assert backends.events == ["open drafter inline", "open target none"]
@@ -98,7 +139,8 @@ def test_a_failed_drafter_open_falls_back_to_target_only():
 def test_a_full_drafter_runs_the_request_target_only_and_stays_usable():
     """RESOURCE_EXHAUSTED (every drafter session taken) is no failure of the drafter: this
     request alone runs without drafts, and speculation stays on for the others."""
-    backends = FakeBackends(failing={"drafter"}, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    full = rpc_error("drafter", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    backends = FakeBackends(failing={"drafter": full})
     target, drafter = open_sessions(backends)
     assert target.name == "target" and drafter is None
     assert backends.events == ["open drafter inline", "open target none"]
@@ -106,7 +148,7 @@ def test_a_full_drafter_runs_the_request_target_only_and_stays_usable():
 
 
 def test_an_unusable_drafter_is_not_opened():
-    backends = FakeBackends(failing=set())
+    backends = FakeBackends(failing={})
     backends.is_drafter_usable = False
     target, drafter = open_sessions(backends)
     assert target.name == "target" and drafter is None
