@@ -6,8 +6,8 @@ not re-entrant: all engine work runs one call at a time. Long work (a long prefi
 close) goes through `run_exclusive` to the batcher's own thread, and the event loop stays
 free meanwhile; short prompts that may share a forward are submitted like any request, and
 a session opened through `open_session` is waited for like one served a moment ago (until
-its first request, or for `recent_s`), so that the prompts of sessions opening together
-meet in one batch.
+its first request, or for `recent_s`), so that the first requests of sessions opening
+together (the target's prompts, the drafter's first drafts) meet in one batch.
 With `inline_batches` (the services' GPU fast path, whose graph-replayed forwards take
 milliseconds) a batch runs on the event loop itself when that thread is idle: a trip
 to the thread and back cost ~0.2 ms per batch on the H200's host, twice per speculative
