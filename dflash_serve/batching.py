@@ -6,8 +6,8 @@ not re-entrant: all engine work runs one call at a time. Long work (a long prefi
 close) goes through `run_exclusive` to the batcher's own thread, and the event loop stays
 free meanwhile; short prompts that may share a forward are submitted like any request, and
 a session opened through `open_session` is waited for like one served a moment ago (until
-its first request, or for `recent_s`), so that the first requests of sessions opening
-together (the target's prompts, the drafter's first drafts) meet in one batch.
+its first request, or for `recent_s`), so that the prompts of sessions opening together
+meet in one batch.
 With `inline_batches` (the services' GPU fast path, whose graph-replayed forwards take
 milliseconds) a batch runs on the event loop itself when that thread is idle: a trip
 to the thread and back cost ~0.2 ms per batch on the H200's host, twice per speculative
@@ -278,8 +278,11 @@ class DynamicBatcher(Generic[Request, Result]):
             raise
 
     def _undo_finished(self, undo_fn: Callable, work: asyncio.Future) -> None:
-        if work.cancelled() or work.exception() is not None:
-            return  # nothing was taken
+        if work.cancelled():
+            return  # never ran (the batcher closed): nothing was taken
+        if work.exception() is not None:  # nothing was taken; no caller is left to tell
+            logger.info("work whose caller left failed: %r", work.exception())
+            return
         with contextlib.suppress(RuntimeError):  # the batcher closed: nothing is left to free
             undone = self._on_thread(undo_fn, work.result())
             undone.add_done_callback(_log_failure)
@@ -288,8 +291,8 @@ class DynamicBatcher(Generic[Request, Result]):
         """`fn(*args)` on the batcher's thread. The work counts until it has finished there,
         even if its waiter is cancelled first, so no inline batch can overlap it."""
         loop = asyncio.get_running_loop()
+        work = self._executor.submit(fn, *args)  # (RuntimeError once closed: nothing counted)
         self._thread_work += 1
-        work = self._executor.submit(fn, *args)
 
         def finished() -> None:
             self._thread_work -= 1

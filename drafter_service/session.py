@@ -34,10 +34,13 @@ class InProcessDrafter:
         )
 
     async def open(self) -> DrafterSequence:
-        """As the target's: the first drafts of sessions opening together wait for each
-        other (`DynamicBatcher.open_session`, within the drafter's --max-wait-us)."""
+        """Not through `open_session`, as the target's open is: a drafter session's first
+        draft comes only after the target's open and prefill, and waiting for it that long
+        would hold back every other session's drafts (README, "sessions opening together")."""
         engine = self.engine
-        slot = await self.batcher.open_session(engine.open_sequence, engine.close_sequence)
+        slot = await self.batcher.run_exclusive_undoable(
+            engine.open_sequence, engine.close_sequence
+        )
         return DrafterSequence(self, slot)
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from dflash_serve.grpc_support.feature_messages import (
 )
 from dflash_serve.grpc_support.server import CHANNEL_OPTIONS
 from dflash_serve.service_info import DrafterInfo
-from gateway.session_calls import SessionCalls, read_event
+from gateway.session_calls import SessionCalls, read_event, write_request
 
 
 class DrafterClient:
@@ -90,9 +90,9 @@ class RemoteDrafterSession:
         draft = drafter_pb2.Draft(
             features=feature_ref_message(features), anchor_id=anchor_id, num_drafts=num_drafts
         )
-        await self.call.write(drafter_pb2.RunSessionRequest(draft=draft))
+        await write_request(self.call, drafter_pb2.RunSessionRequest(draft=draft))
         for chunk in chunk_messages(features):
-            await self.call.write(drafter_pb2.RunSessionRequest(feature_chunk=chunk))
+            await write_request(self.call, drafter_pb2.RunSessionRequest(feature_chunk=chunk))
         step_trace.mark("gateway.draft.sent")
         drafted = await read_event(self.call, "drafted")
         step_trace.mark("gateway.draft.received")

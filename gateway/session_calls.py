@@ -25,6 +25,16 @@ class SessionStreamEndedError(ConnectionError):
     """A service closed a session stream without an error status (e.g. it shut down)."""
 
 
+async def write_request(call, request) -> None:
+    """Send one request on a session stream. gRPC raises InvalidStateError, not an error
+    status, on a stream the service had already ended (it shut down between two steps):
+    that is SessionStreamEndedError here, as the same end is when reading."""
+    try:
+        await call.write(request)
+    except asyncio.InvalidStateError as error:
+        raise SessionStreamEndedError(f"the session stream had ended: {error}") from error
+
+
 async def read_event(call, field: str):
     """The next response's `field`; a stream that ended early raises SessionStreamEndedError."""
     response = await call.read()
@@ -97,7 +107,7 @@ class SessionCalls:
         failed or cancelled start ends the stream at once."""
         call = await self.open(timeout_s)
         try:
-            await call.write(open_request)
+            await write_request(call, open_request)
             return call, (await read_event(call, "opened")).slot
         except BaseException:
             call.cancel()

@@ -19,7 +19,7 @@ from dflash_serve.grpc_support.feature_messages import (
 from dflash_serve.grpc_support.server import CHANNEL_OPTIONS
 from dflash_serve.service_info import TargetInfo
 from dflash_serve.speculative.types import SamplingParams, TargetStep
-from gateway.session_calls import SessionCalls, read_event
+from gateway.session_calls import SessionCalls, read_event, write_request
 
 
 class TargetClient:
@@ -106,7 +106,7 @@ class RemoteTargetSession:
 
     async def _step(self, request, kind: str) -> TargetStep:
         step_trace.mark(f"gateway.{kind}.send")
-        await self.call.write(request)
+        await write_request(self.call, request)
         step_trace.mark(f"gateway.{kind}.sent")
         result = await read_event(self.call, "step")
         step_trace.mark(f"gateway.{kind}.received")

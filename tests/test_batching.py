@@ -371,31 +371,6 @@ def test_a_service_session_whose_client_left_during_its_open_frees_its_slot(
     assert engine.slots.num_active == 0
 
 
-def test_first_drafts_of_drafter_sessions_opened_together_share_a_forward(
-    dflash_dir, causal_lm_dir
-):
-    """a's first draft waits for b's (b opened, has not drafted yet), as the target's
-    prompts do: one forward of two rows. Before, a drafted alone: b was not yet known."""
-    engine = DrafterEngine(load_drafter(dflash_dir, causal_lm_dir), 2, 32)
-    drafter = InProcessDrafter(engine, max_wait_us=MAX_WAIT_US)
-    features = torch.randn(3, engine.feature_dim, generator=torch.Generator().manual_seed(3))
-
-    async def go():
-        a, b = await drafter.open(), await drafter.open()
-
-        async def first_draft(session, delay_s):
-            await asyncio.sleep(delay_s)
-            await session.draft(features, 5, 4)
-            return session.last_batch_size
-
-        return await asyncio.gather(first_draft(a, 0), first_draft(b, 0.03))
-
-    try:
-        assert asyncio.run(asyncio.wait_for(go(), 2.0)) == [2, 2]
-    finally:
-        drafter.close()
-
-
 def test_a_batch_with_the_wrong_number_of_results_fails_its_requests():
     batcher = DynamicBatcher(lambda requests: [], 8, 0, "broken")
 

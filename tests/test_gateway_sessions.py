@@ -9,13 +9,15 @@ import asyncio
 import grpc
 import pytest
 
+from dflash_protos import target_pb2, target_pb2_grpc
 from dflash_serve.speculative.types import SamplingParams
 from gateway.config import GatewayConfig
-from gateway.generation import Generator
+from gateway.generation import Generator, target_unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import ApiError
 from gateway.schemas import GenerationRequest
 from gateway.session_calls import SessionStreamEndedError
+from gateway.target_client import TargetClient
 
 
 def rpc_error(service: str, code=grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpcError:
@@ -153,3 +155,36 @@ def test_an_unusable_drafter_is_not_opened():
     target, drafter = open_sessions(backends)
     assert target.name == "target" and drafter is None
     assert backends.events == ["open target none"]
+
+
+class EndsAfterOpen(target_pb2_grpc.TargetServiceServicer):
+    """A target whose session stream ends (status OK) right after "opened": what a target
+    shutting down between two steps looks like to the gateway."""
+
+    async def RunSession(self, request_iterator, context):
+        await request_iterator.__anext__()
+        yield target_pb2.RunSessionResponse(opened=target_pb2.SessionOpened(slot=3))
+
+
+def test_a_step_on_a_stream_the_target_ended_is_a_stream_end_and_a_503():
+    """gRPC refuses the write with InvalidStateError (no error status), which must read as
+    the target gone (a 503), not as a bug in the gateway (a 500)."""
+
+    async def go():
+        server = grpc.aio.server()
+        target_pb2_grpc.add_TargetServiceServicer_to_server(EndsAfterOpen(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = TargetClient(f"127.0.0.1:{port}", session_transport="grpc")
+        try:
+            session = await client.open(SamplingParams(), "none", timeout_s=5)
+            assert session.slot == 3
+            assert await session.call.code() == grpc.StatusCode.OK  # the stream has ended
+            with pytest.raises(SessionStreamEndedError) as ended:
+                await session.verify([1, 2])
+            assert target_unavailable(ended.value).status == 503
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(go(), 10))
