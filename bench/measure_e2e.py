@@ -9,6 +9,7 @@ in this process through the gateway's gRPC clients; the HTTP layer is not in the
 from __future__ import annotations
 
 import asyncio
+import collections
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -20,11 +21,15 @@ from dflash_serve.speculative.types import SamplingParams
 
 @dataclass
 class StepTimes:
-    """Per-step (wall_ns, forward_ns) of verify and draft calls, and of the prefill."""
+    """Per-step (wall_ns, forward_ns) of verify and draft calls, and of the prefill; and
+    the size of the batch each step's forward ran in (`batch_sizes[kind]`, in step order)."""
 
     verify: list[tuple[int, int]] = field(default_factory=list)
     draft: list[tuple[int, int]] = field(default_factory=list)
     prefill: list[tuple[int, int]] = field(default_factory=list)
+    batch_sizes: dict[str, list[int]] = field(
+        default_factory=lambda: {"prefill": [], "verify": [], "draft": []}
+    )
 
 
 class TimedTarget:
@@ -35,12 +40,14 @@ class TimedTarget:
         began = time.perf_counter_ns()
         step = await self.session.prefill(prompt_ids)
         self.times.prefill.append((time.perf_counter_ns() - began, step.forward_ns))
+        self.times.batch_sizes["prefill"].append(step.batch_size)
         return step
 
     async def verify(self, block_ids):
         began = time.perf_counter_ns()
         step = await self.session.verify(block_ids)
         self.times.verify.append((time.perf_counter_ns() - began, step.forward_ns))
+        self.times.batch_sizes["verify"].append(step.batch_size)
         return step
 
     async def close(self):
@@ -59,6 +66,7 @@ class ImposedAcceptanceDrafter:
         began = time.perf_counter_ns()
         await self.real.draft(features, anchor_id, num_drafts)
         self.times.draft.append((time.perf_counter_ns() - began, self.real.last_forward_ns))
+        self.times.batch_sizes["draft"].append(self.real.last_batch_size)
         return await self.script.draft(features, anchor_id, num_drafts)
 
     async def close(self):
@@ -189,7 +197,24 @@ async def concurrent_throughput(
         # can still wait behind a prefill that arrived late).
         "verify_ms_after_first": step_ms([p for r in results for p in r.times.verify[1:]]),
         "draft_ms_after_first": step_ms([p for r in results for p in r.times.draft[1:]]),
+        "split_waves": {
+            kind: split_waves([r.times.batch_sizes[kind] for r in results])
+            for kind in ("prefill", "verify", "draft")
+        },
     }
+
+
+def split_waves(sizes_per_request: list[list[int]]) -> dict[str, dict[int, int]]:
+    """The steps at which requests that move in lockstep (identical, started together) did
+    not all share one forward: {step index: {batch size: requests in a batch that size}}.
+    A wave of 8 split as 5 + 3 reads {5: 5, 3: 3}, one split as 3 + 3 + 2 {3: 6, 2: 2}
+    (a forward may also hold another request's step of another kind: a prompt's blocks)."""
+    waves = {}
+    count = len(sizes_per_request)
+    for index, sizes in enumerate(zip(*sizes_per_request, strict=False)):
+        if any(size != count for size in sizes):
+            waves[str(index)] = dict(sorted(collections.Counter(sizes).items(), reverse=True))
+    return waves
 
 
 def http_stream_request(base_url: str, prompt_ids: list[int], max_tokens: int) -> dict:

@@ -63,7 +63,17 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
             batching = entry["batching"][service]
             assert batching["batches"] > 0 and batching["inline_batches"] == 0  # CPU path
             assert 1 <= batching["mean_batch_size"] <= int(count), (count, batching)
+        assert set(entry["split_waves"]) == {"prefill", "verify", "draft"}
     assert (tmp_path / "latest.md").read_text().startswith("# Benchmark suite")
+
+
+def test_split_waves_names_the_steps_whose_requests_did_not_share_a_forward():
+    from bench.measure_e2e import split_waves
+
+    # Four requests in lockstep: step 1 split 3 + 1, step 3 2 + 2, the rest shared.
+    sizes = [[4, 3, 4, 2], [4, 3, 4, 2], [4, 3, 4, 2], [4, 1, 4, 2]]
+    assert split_waves(sizes) == {"1": {3: 3, 1: 1}, "3": {2: 4}}
+    assert split_waves([[1, 1, 1]]) == {}  # one request: every forward is its own
 
 
 def test_median_round_reports_one_whole_round():
