@@ -36,7 +36,8 @@ class InProcessDrafter:
     async def open(self) -> DrafterSequence:
         """Not through `open_session`, as the target's open is: a drafter session's first
         draft comes only after the target's open and prefill, and waiting for it that long
-        would hold back every other session's drafts (README, "sessions opening together")."""
+        would hold back every other session's drafts (README, beside
+        `DynamicBatcher.open_session`)."""
         engine = self.engine
         slot = await self.batcher.run_exclusive_undoable(
             engine.open_sequence, engine.close_sequence
