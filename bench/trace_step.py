@@ -10,7 +10,11 @@ orchestration the suite's `overhead` column reports (medians over steps). Inline
 to a JSON file with the machine, date and command.
 
     python -m bench.trace_step [--smoke] [--seconds 20] [--tau 6] [--layout bf16]
-                               [--session-transport auto|grpc]
+                               [--session-transport auto|grpc] [--streams 1]
+
+--streams N (above 1): N identical requests at once, in lockstep; instead of per-step gaps,
+per wave (from one verify forward's end to the next) when each event first and last
+happened: how long each process takes to hand on all N requests one after another.
 
 --smoke: tiny random models (runs on a CPU); otherwise the 4B-shaped random pair on the GPU.
 """
@@ -108,6 +112,32 @@ def step_segments(events: list[tuple[int, str]]) -> dict[str, list[float]]:
     return segments
 
 
+def wave_timeline(events: list[tuple[int, str]], streams: int) -> dict[str, list[float]]:
+    """With `streams` requests in lockstep: per wave (the events after one target forward and
+    up to the next), when each STEP_EVENTS event first and last happened, in microseconds
+    after the forward ended. An event that happens once per request spreads over the wave as
+    each process handles the requests one after another: the spread shows where serial
+    per-request work stretches a step. Waves whose forward did not hold every request (a
+    split wave, a prompt) are left out."""
+    anchor = "target-engine.thread_end"
+    ends = [i for i, (_, name) in enumerate(events) if name == anchor]
+    timeline: dict[str, list[float]] = {}
+    for begin, end in itertools.pairwise(ends):
+        window = events[begin:end]
+        seen: dict[str, list[int]] = {}
+        for ns, name in window:
+            seen.setdefault(name, []).append(ns)
+        if len(seen.get("target.respond", [])) != streams:
+            continue
+        if any(name not in seen for name in STEP_EVENTS):
+            continue
+        origin = window[0][0]
+        for name in STEP_EVENTS:
+            timeline.setdefault(f"{name} first", []).append((seen[name][0] - origin) / 1e3)
+            timeline.setdefault(f"{name} last", []).append((seen[name][-1] - origin) / 1e3)
+    return timeline
+
+
 async def run_requests(target_address, drafter_address, args, vocab) -> int:
     from gateway.drafter_client import DrafterClient
     from gateway.target_client import TargetClient
@@ -124,11 +154,16 @@ async def run_requests(target_address, drafter_address, args, vocab) -> int:
     oracle = await measure_e2e.run_request(target, None, prompt, args.new_tokens)
     began, steps = time.perf_counter(), 0
     while time.perf_counter() - began < args.seconds:
-        result = await measure_e2e.run_request(
-            target, drafter, prompt, args.new_tokens, oracle.tokens, args.tau, vocab,
-            transport, shared,
+        results = await asyncio.gather(
+            *(
+                measure_e2e.run_request(
+                    target, drafter, prompt, args.new_tokens, oracle.tokens, args.tau, vocab,
+                    transport, shared,
+                )
+                for _ in range(args.streams)
+            )
         )  # fmt: skip
-        steps += len(result.times.verify)
+        steps += sum(len(result.times.verify) for result in results)
     await target.close()
     await drafter.close()
     return steps
@@ -142,6 +177,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--tau", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="identical requests at once; above 1 the result is a per-wave timeline",
+    )
     parser.add_argument("--layout", default="bf16", choices=LAYOUTS)
     parser.add_argument(
         "--session-transport",
@@ -161,7 +202,8 @@ def main() -> None:
     drafter_dir = write_drafter(workdir / "d", drafter_config, device=device)
     prefix = str(workdir / "trace")
     step_trace.enable(prefix)
-    common = ["--device", device, "--max-sessions", "4", "--max-context-tokens", "2048"]
+    sessions = str(max(4, args.streams))
+    common = ["--device", device, "--max-sessions", sessions, "--max-context-tokens", "2048"]
     target = start_service(
         ["target", "--model", str(target_dir), "--drafter-model", str(drafter_dir), *common]
     )
@@ -174,18 +216,23 @@ def main() -> None:
     finally:
         target.stop()
         drafter.stop()
-    segments = step_segments(read_timeline(prefix))
+    events = read_timeline(prefix)
+    if args.streams == 1:
+        segments, unit = step_segments(events), "steps_traced"
+    else:
+        segments, unit = wave_timeline(events, args.streams), "waves_traced"
     medians = {name: round(statistics.median(values), 1) for name, values in segments.items()}
     results = run_facts("python -m bench.trace_step " + shlex.join(sys.argv[1:]))
     results |= {
         "models": "smoke" if args.smoke else f"4B-shaped random, {args.layout}",
         "tau": args.tau,
+        "streams": args.streams,
         "sessions_on": args.sessions_on,  # target / drafter
         "steps": steps,
-        "steps_traced": len(segments.get("step", [])),
+        unit: len(next(iter(segments.values()), [])),
         "median_us": medians,
     }
-    print(f"sessions on (target / drafter): {args.sessions_on}")
+    print(f"sessions on (target / drafter): {args.sessions_on}; {unit}: {results[unit]}")
     for name, value in medians.items():
         print(f"{value:9.1f} us  {name}")
     out = args.out

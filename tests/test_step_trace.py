@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from bench.trace_step import ENGINE_SPANS, STEP_EVENTS, step_segments
+from bench.trace_step import ENGINE_SPANS, STEP_EVENTS, step_segments, wave_timeline
 from dflash_serve import step_trace
 
 
@@ -44,6 +44,31 @@ def test_segments_are_the_gaps_between_consecutive_events_of_complete_steps():
     ]
 
 
+def test_wave_timeline_spreads_each_event_over_the_requests_of_one_wave():
+    """Two requests in lockstep: each event once per request, the second 10 µs after the
+    first, except the engines' (once per wave); a split wave is left out."""
+    once = {name for name in STEP_EVENTS if name.startswith(("target-engine", "drafter-engine"))}
+    anchor = STEP_EVENTS.index("target-engine.thread_end")
+    order = STEP_EVENTS[anchor:] + STEP_EVENTS[:anchor]  # a wave starts at the forward's end
+
+    def wave(start_ns, requests):
+        events = []
+        for i, name in enumerate(order):
+            copies = 1 if name in once else requests
+            events += [(start_ns + i * 1000 + r * 10_000, name) for r in range(copies)]
+        return events
+
+    events = sorted(wave(0, 2) + wave(1_000_000, 1) + wave(2_000_000, 2) + wave(3_000_000, 2))
+    timeline = wave_timeline(events, streams=2)  # the last wave has no end: left out
+    respond = order.index("target.respond")
+    assert timeline["target.respond first"] == [respond * 1.0] * 2  # µs after the forward
+    assert timeline["target.respond last"] == [respond * 1.0 + 10.0] * 2
+    batch = order.index("drafter-engine.batch")
+    assert timeline["drafter-engine.batch last"] == [batch * 1.0] * 2
+    assert timeline["target-engine.thread_end first"] == [0.0, 0.0]
+    assert len(timeline) == 2 * len(STEP_EVENTS)
+
+
 def test_smoke_run_traces_every_event_of_a_step_in_the_real_services(tmp_path):
     out = tmp_path / "trace.json"
     command = [sys.executable, "-m", "bench.trace_step", "--smoke", "--seconds", "2"]
@@ -59,3 +84,20 @@ def test_smoke_run_traces_every_event_of_a_step_in_the_real_services(tmp_path):
     assert 0 < medians["engines"] < medians["step"]
     for key in ("gpu", "date", "commit", "command"):
         assert results[key]
+
+
+def test_smoke_run_with_concurrent_streams_gives_a_wave_timeline(tmp_path):
+    out = tmp_path / "trace.json"
+    command = [sys.executable, "-m", "bench.trace_step", "--smoke", "--seconds", "2"]
+    completed = subprocess.run(
+        [*command, "--streams", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["streams"] == 2 and results["waves_traced"] > 0
+    medians = results["median_us"]
+    assert len(medians) == 2 * len(STEP_EVENTS)
+    assert medians["target-engine.thread_end first"] == 0.0
+    for name in STEP_EVENTS:
+        assert medians[f"{name} first"] <= medians[f"{name} last"]
