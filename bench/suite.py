@@ -15,6 +15,7 @@ import asyncio
 import gc
 import json
 import logging
+import shlex
 import shutil
 import sys
 import tempfile
@@ -166,6 +167,10 @@ class Suite:
         layout = self.args.e2e_layout
         self.results["e2e_int4_reads"] = self.args.e2e_int4_reads
         self.results["e2e_commit_graphs"] = self.args.commit_graphs
+        self.results["e2e_service_flags"] = {
+            "target": self.args.target_flags,
+            "drafter": self.args.drafter_flags,
+        }
         common = ["--device", self.device, "--max-sessions", "16", "--max-context-tokens", "8704"]
         target = start_service(
             [
@@ -178,6 +183,7 @@ class Suite:
                 self.args.e2e_int4_reads,
                 "--commit-graphs" if self.args.commit_graphs else "--no-commit-graphs",
                 *common,
+                *shlex.split(self.args.target_flags),
             ]
         )
         drafter = start_service(
@@ -188,6 +194,7 @@ class Suite:
                 "--target-model",
                 str(self.dirs[layout]),
                 *common,
+                *shlex.split(self.args.drafter_flags),
             ]
         )
         try:
@@ -463,6 +470,15 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the target service's --[no-]commit-graphs, for every target the suite builds",
+    )
+    parser.add_argument(
+        "--target-flags",
+        default="",
+        help="more flags for the e2e section's target service (an A/B of a service setting), "
+        'e.g. "--max-wait-us 10000"; recorded in the results',
+    )
+    parser.add_argument(
+        "--drafter-flags", default="", help="likewise for the e2e section's drafter service"
     )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(

@@ -23,6 +23,7 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
             "transformers",
             "--concurrency-rounds",
             "2",
+            "--drafter-flags=--max-batch-size 1",  # reaches the service: its batches hold one
         ],
         capture_output=True,
         text=True,
@@ -34,6 +35,7 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
     assert not list(temp.glob("dflash-bench-*"))  # its checkpoints are removed after the run
     results = json.loads((tmp_path / "latest.json").read_text())
     assert results["errors"] == {}
+    assert results["e2e_service_flags"] == {"target": "", "drafter": "--max-batch-size 1"}
     for key in (
         "gpu",
         "date",
@@ -63,6 +65,7 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
             batching = entry["batching"][service]
             assert batching["batches"] > 0 and batching["inline_batches"] == 0  # CPU path
             assert 1 <= batching["mean_batch_size"] <= int(count), (count, batching)
+        assert entry["batching"]["drafter"]["mean_batch_size"] == 1
         assert set(entry["split_waves"]) == {"prefill", "verify", "draft"}
     assert (tmp_path / "latest.md").read_text().startswith("# Benchmark suite")
 
