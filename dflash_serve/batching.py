@@ -1,7 +1,8 @@
 """Dynamic batching: requests from concurrent sessions that are ready together run as one call.
 
 A request waits at most `max_wait_us` for companions (no longer than until every session
-that could send one has), and a batch holds at most `max_batch_size` requests. Engines are
+that could send one has, and with `max_gap_us` no longer than that after the last request
+came), and a batch holds at most `max_batch_size` requests. Engines are
 not re-entrant: all engine work runs one call at a time. Long work (a long prefill, open,
 close) goes through `run_exclusive` to the batcher's own thread, and the event loop stays
 free meanwhile; short prompts that may share a forward are submitted like any request, and
@@ -64,6 +65,7 @@ class DynamicBatcher(Generic[Request, Result]):
         session_of: Callable[[Request], Hashable] | None = None,
         recent_s: float = RECENT_SESSION_S,
         inline_batches: bool = False,
+        max_gap_us: int | None = None,
     ) -> None:
         """thread_initializer runs once on the batcher's thread before its first batch.
         num_possible_requests: how many requests could be pending at most right now (the open
@@ -71,16 +73,22 @@ class DynamicBatcher(Generic[Request, Result]):
         pays no max_wait_us. session_of: the session a request belongs to; with it, only
         sessions that sent a request or got a result within `recent_s` are waited for (one
         whose client stopped reading must not slow the others' every step). inline_batches:
-        run a batch on the event loop when the batcher's thread has no work (see above)."""
-        if max_batch_size < 1 or max_wait_us < 0:
+        run a batch on the event loop when the batcher's thread has no work (see above).
+        max_gap_us: stop waiting once no request has come for this long (since the wait began
+        or the last one came): requests of sessions in step arrive one after another as each
+        is handed on, so a long wait serves them while a pause ends it (the sessions not yet
+        here are busy elsewhere); None: only max_wait_us bounds the wait."""
+        if max_batch_size < 1 or max_wait_us < 0 or (max_gap_us is not None and max_gap_us < 0):
             raise ValueError(
-                f"max_batch_size must be >= 1 and max_wait_us >= 0; got "
-                f"{max_batch_size}, {max_wait_us}"
+                f"max_batch_size must be >= 1 and max_wait_us, max_gap_us >= 0; got "
+                f"{max_batch_size}, {max_wait_us}, {max_gap_us}"
             )
         self._run_batch = run_batch
         self._num_possible_requests = num_possible_requests
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_us / 1e6
+        self.max_gap_s = None if max_gap_us is None else max_gap_us / 1e6
+        self._last_arrival = float("-inf")  # event-loop time of the latest submit
         self.counters = BatchCounters()
         self._pending: list[tuple[Request, asyncio.Future]] = []
         self._session_of = session_of
@@ -104,6 +112,7 @@ class DynamicBatcher(Generic[Request, Result]):
             self._worker = loop.create_task(self._work())
         future = loop.create_future()
         step_trace.mark(f"{self._trace_name}.queued")
+        self._last_arrival = loop.time()
         self._mark_seen([request])
         self._pending.append((request, future))
         self._wakeup.set()
@@ -183,9 +192,13 @@ class DynamicBatcher(Generic[Request, Result]):
         if self.max_wait_s <= 0:
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_wait_s
+        began = loop.time()
+        deadline = began + self.max_wait_s
         while self._num_live_pending() < self._largest_possible_batch():
-            remaining = deadline - loop.time()
+            end = deadline
+            if self.max_gap_s is not None:
+                end = min(end, max(self._last_arrival, began) + self.max_gap_s)
+            remaining = end - loop.time()
             if remaining <= 0:
                 return
             if self._last_seen:  # look again when the oldest session would go stale

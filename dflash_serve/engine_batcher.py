@@ -26,10 +26,11 @@ def engine_batcher(
     max_wait_us: int,
     engine_threads: int | None = None,
     inline_batches: bool = False,
+    max_gap_us: int | None = None,
 ) -> DynamicBatcher:
     """engine_threads: torch intra-op threads of the engine thread (None: torch's default).
     inline_batches: batches may run on the event loop (short GPU forwards; see batching.py).
-    Requests carry the `slot` of their session."""
+    max_gap_us: see DynamicBatcher. Requests carry the `slot` of their session."""
     setup = None if engine_threads is None else partial(torch.set_num_threads, engine_threads)
     return DynamicBatcher(
         run_batch,
@@ -40,4 +41,5 @@ def engine_batcher(
         lambda: slots.num_active,
         session_of=lambda request: request.slot,
         inline_batches=inline_batches,
+        max_gap_us=max_gap_us,
     )

@@ -27,6 +27,8 @@ class ServiceSettings:
     max_context_tokens: int = 4096
     max_batch_size: int = 16
     max_wait_us: int | None = None  # None: DEFAULT_MAX_WAIT_US of the service
+    # A step also stops waiting once no request has come for this long (None: never).
+    max_gap_us: int | None = None
     # torch intra-op threads of the engine thread. One is fastest for the small per-step ops
     # of decoding on a CPU: two OpenMP teams (the loading thread's and the engine thread's)
     # spinning on the same cores cost the embedded pair 40 % of its decode speed.
@@ -108,6 +110,7 @@ class ServiceSettings:
             "max_context_tokens": self.max_context_tokens >= 2,
             "max_batch_size": self.max_batch_size >= 1,
             "max_wait_us": self.max_wait_us is None or self.max_wait_us >= 0,
+            "max_gap_us": self.max_gap_us is None or self.max_gap_us >= 0,
             "engine_threads": self.engine_threads >= 1,
             "grace_period_s": self.grace_period_s >= 0,
             "session_spin_us": self.session_spin_us is None or self.session_spin_us >= 0,

@@ -42,6 +42,7 @@ class DrafterRuntime:
             service.wait_us("drafter"),
             service.engine_threads,
             inline_batches=is_fast,
+            max_gap_us=service.max_gap_us,
         )
         dflash = model.config
         self.info = DrafterInfo(

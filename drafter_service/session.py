@@ -19,6 +19,7 @@ class InProcessDrafter:
         max_wait_us: int = DEFAULT_MAX_WAIT_US["drafter"],
         engine_threads: int | None = None,
         inline_batches: bool = False,
+        max_gap_us: int | None = None,
     ) -> None:
         """engine_threads: torch threads of the engine thread (None: torch's default).
         inline_batches: batches may run on the event loop (the GPU fast path's short forwards)."""
@@ -31,6 +32,7 @@ class InProcessDrafter:
             max_wait_us,
             engine_threads,
             inline_batches,
+            max_gap_us,
         )
 
     async def open(self) -> DrafterSequence:

@@ -48,6 +48,12 @@ def add_service_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
         + ")",
     )
     parser.add_argument(
+        "--max-gap-us",
+        type=int,
+        help="a step also stops waiting for other sessions' requests once none has come for "
+        "this long (default: off)",
+    )
+    parser.add_argument(
         "--engine-threads",
         type=int,
         default=1,
@@ -221,6 +227,7 @@ def service_settings(args: argparse.Namespace):
         max_context_tokens=args.max_context_tokens,
         max_batch_size=args.max_batch_size,
         max_wait_us=args.max_wait_us,
+        max_gap_us=args.max_gap_us,
         engine_threads=args.engine_threads,
         grace_period_s=args.grace_period_s,
         gpu_fast_path=args.gpu_fast_path,

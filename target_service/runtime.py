@@ -60,6 +60,7 @@ class TargetRuntime:
             service.wait_us("target"),
             service.engine_threads,
             inline_batches=is_fast,
+            max_gap_us=service.max_gap_us,
         )
         model_config = model.config
         self.info = TargetInfo(

@@ -34,6 +34,7 @@ class InProcessTarget:
         max_wait_us: int = DEFAULT_MAX_WAIT_US["target"],
         engine_threads: int | None = None,
         inline_batches: bool = False,
+        max_gap_us: int | None = None,
     ) -> None:
         """engine_threads: torch threads of the engine thread (None: torch's default).
         inline_batches: batches may run on the event loop (the GPU fast path's short forwards)."""
@@ -46,6 +47,7 @@ class InProcessTarget:
             max_wait_us,
             engine_threads,
             inline_batches,
+            max_gap_us,
         )
 
     async def open(self, sampling: SamplingParams) -> TargetSequence:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from dflash_serve.batching import DynamicBatcher
+from dflash_serve.errors import ConfigError
 from dflash_serve.speculative.types import SamplingParams
 from drafter_service.engine import DrafterEngine
 from drafter_service.model.loader import load_drafter
@@ -157,6 +159,47 @@ def test_a_session_silent_for_longer_than_recent_s_is_not_waited_for():
     )
     run_submissions(batcher, [(0, ("idle", 1)), (0.2, ("busy", 1)), (0.25, ("busy", 2))])
     assert batches == [[("idle", 1)], [("busy", 1)], [("busy", 2)]]
+
+
+def test_requests_still_arriving_keep_a_gapped_wait_going_past_the_gap():
+    """Four sessions' requests 50 ms apart with a 120 ms gap: each arrival extends the wait,
+    so all four share a batch though the last comes 150 ms after the first."""
+    batches = []
+    batcher = recording_batcher(batches, lambda: 4, max_gap_us=120_000)
+    run_submissions(batcher, [(0, "a"), (0.05, "b"), (0.1, "c"), (0.15, "d")])
+    assert batches == [["a", "b", "c", "d"]]
+
+
+def test_a_pause_longer_than_the_gap_ends_the_wait():
+    """Three open sessions, two requests, then a pause: the two run after the gap (long
+    before max_wait_us) and the third, later, on its own."""
+    batches = []
+    batcher = recording_batcher(batches, lambda: 3, max_gap_us=50_000)
+    run_submissions(batcher, [(0, "a"), (0.02, "b"), (0.5, "c")])
+    assert batches == [["a", "b"], ["c"]]
+    waited_us = batcher.counters.total_wait_us
+    assert 60_000 <= waited_us <= 400_000  # gap after b (~70 ms), not max_wait_us (3 s)
+
+
+def test_a_negative_gap_is_refused():
+    with pytest.raises(ValueError, match="max_gap_us"):
+        DynamicBatcher(list, 8, 1000, "bad", max_gap_us=-1)
+
+
+def test_the_max_gap_flag_reaches_the_drafter_services_batcher(dflash_dir, causal_lm_dir):
+    from drafter_service.config import DrafterServiceConfig
+    from drafter_service.runtime import DrafterRuntime
+    from launcher.main import build_parser, service_settings
+
+    flags = ["drafter", "--model", str(dflash_dir), "--target-model", str(causal_lm_dir)]
+    settings = service_settings(build_parser().parse_args([*flags, "--max-gap-us", "400"]))
+    runtime = DrafterRuntime(DrafterServiceConfig(str(dflash_dir), str(causal_lm_dir), settings))
+    try:
+        assert runtime.drafter.batcher.max_gap_s == pytest.approx(400e-6)
+    finally:
+        runtime.close()
+    with pytest.raises(ConfigError, match="max_gap_us"):
+        replace(settings, max_gap_us=-1).validate("drafter")
 
 
 async def after(delay_s, fn, *args):
