@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
+from dflash_serve.speculative.pending_drafter import PendingDrafterSession
 from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
 from dflash_serve.speculative.types import SamplingParams
 
@@ -55,18 +56,22 @@ class TimedTarget:
 
 
 class ImposedAcceptanceDrafter:
-    """Runs the real drafter (timed), then returns scripted drafts with τ−1 correct ones."""
+    """Runs the real drafter (timed), then returns scripted drafts with τ−1 correct ones.
+    `real`: a PendingDrafterSession, as the gateway opens it."""
 
-    def __init__(self, real, continuation, tau: int, vocab: int, times: StepTimes) -> None:
+    def __init__(
+        self, real: PendingDrafterSession, continuation, tau: int, vocab: int, times: StepTimes
+    ) -> None:
         self.real = real
         self.script = ScriptedDrafter(continuation, [tau - 1], vocab)
         self.times = times
 
     async def draft(self, features, anchor_id, num_drafts):
         began = time.perf_counter_ns()
-        await self.real.draft(features, anchor_id, num_drafts)
-        self.times.draft.append((time.perf_counter_ns() - began, self.real.last_forward_ns))
-        self.times.batch_sizes["draft"].append(self.real.last_batch_size)
+        real = await self.real.session()  # the open overlapped the prefill
+        await real.draft(features, anchor_id, num_drafts)
+        self.times.draft.append((time.perf_counter_ns() - began, real.last_forward_ns))
+        self.times.batch_sizes["draft"].append(real.last_batch_size)
         return await self.script.draft(features, anchor_id, num_drafts)
 
     async def close(self):
@@ -79,7 +84,7 @@ class RequestResult:
     ttft_s: float
     total_s: float
     times: StepTimes
-    opened_s: float  # both sessions open (the rest of ttft_s is the prefill)
+    opened_s: float  # the target's session open (the rest of ttft_s is the prefill)
 
     @property
     def tpot_s(self) -> float:
@@ -105,8 +110,10 @@ async def run_request(
     began = time.perf_counter()
     use_drafter = drafter is not None and tau is not None
     drafter_session = None
-    if use_drafter:  # first, as the gateway opens them: the prompt follows the target's open
-        real = await drafter.open(transport, shared) if shared else await drafter.open(transport)
+    if use_drafter:  # as the gateway opens them: both at once, the prompt right after the
+        # target's open, the drafter's open awaited at the first draft (pending_drafter.py)
+        opening = drafter.open(transport, shared) if shared else drafter.open(transport)
+        real = PendingDrafterSession(opening)
         drafter_session = ImposedAcceptanceDrafter(real, continuation, tau, vocab, times)
     session = TimedTarget(
         await target.open(SamplingParams(), transport if use_drafter else "none"), times

@@ -17,6 +17,7 @@ from dflash_serve.speculative.loop import (
     StopRules,
 )
 from dflash_serve.speculative.pacing import DraftPacing, StepCosts
+from dflash_serve.speculative.pending_drafter import PendingDrafterSession
 from gateway.backends import Backends
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
@@ -166,8 +167,8 @@ class Generator:
             await target_session.close()
             if drafter_session is not None:
                 await drafter_session.close()
-            if run.drafter_error is not None:
-                self.backends.drafter_failed(run.drafter_error)
+            if run.drafter_error is not None and not is_full(run.drafter_error):
+                self.backends.drafter_failed(run.drafter_error)  # a full drafter is busy
         usage = Usage(len(prompt_ids), num_tokens)
         ttft = None if first_token_at is None else first_token_at - began
         self.metrics.record_request(
@@ -176,21 +177,19 @@ class Generator:
         yield Finished(finish_reason, usage)
 
     async def _open_sessions(self, request: GenerationRequest):
-        """The drafter's session first: from its open on, the target waits for a session's
-        prompt (so that sessions opening together share a prefill forward), so the prompt
-        should follow the target's open at once, not after another service's round trip."""
+        """Both sessions at once, the drafter's as a PendingDrafterSession: from its open on,
+        the target waits for a session's prompt (so that sessions opening together share a
+        prefill forward), so the prompt goes as soon as the target's session is open, and
+        the drafter's open overlaps the prefill (pending_drafter.py says why). The target
+        exports features from its open on; should the drafter's open fail, the loop goes on
+        target-only (`generate` reports the failure unless the drafter was only full)."""
         backends, timeout = self.backends, self.config.request_timeout_s
         if not backends.is_drafter_usable:
             return await self._open_target_only(request)
         transport = backends.feature_transport
-        try:
-            drafter_session = await backends.drafter.open(
-                transport, backends.shared_buffer, timeout
-            )
-        except SERVICE_FAILURES as error:
-            if not is_full(error):  # a full drafter has not failed
-                backends.drafter_failed(error)
-            return await self._open_target_only(request)  # the same tokens, undrafted
+        drafter_session = PendingDrafterSession(
+            backends.drafter.open(transport, backends.shared_buffer, timeout)
+        )
         try:
             target_session = await backends.target.open(request.sampling, transport, timeout)
         except BaseException as error:

@@ -1,18 +1,21 @@
-"""How the gateway opens a request's two sessions: the drafter's first, so that the target's
-open is followed at once by the prompt (the target waits for a new session's prompt, see
-`DynamicBatcher.open_session`), and nothing is left open when either open fails."""
+"""How the gateway opens a request's two sessions: both at once, the prompt going to the
+target as soon as its session is open (the target waits for a new session's prompt, see
+`DynamicBatcher.open_session`) and the drafter's open awaited only at the first draft;
+nothing is left open when either open fails, and a failed drafter costs only speed."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from dflash_protos import target_pb2, target_pb2_grpc
-from dflash_serve.speculative.types import SamplingParams
+from dflash_serve.speculative.pending_drafter import PendingDrafterSession
+from dflash_serve.speculative.types import SamplingParams, TargetStep
 from gateway.config import GatewayConfig
-from gateway.generation import Generator, target_unavailable
+from gateway.generation import Finished, Generator, TextDelta, target_unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import ApiError
 from gateway.schemas import GenerationRequest
@@ -25,32 +28,56 @@ def rpc_error(service: str, code=grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpc
 
 
 class FakeSession:
+    """A target session that answers every step with the next byte of "ABC…" and drafts
+    nothing; a drafter session that proposes nothing."""
+
     def __init__(self, name: str, events: list[str]) -> None:
-        self.name, self.events = name, events
+        self.name, self.events, self.next_token = name, events, ord("A")
+
+    async def prefill(self, prompt_ids):
+        return self._step()
+
+    async def verify(self, block_ids):
+        return self._step()
+
+    async def draft(self, features, anchor_id, num_drafts):
+        self.events.append("draft")
+        return []
+
+    def _step(self) -> TargetStep:
+        token, self.next_token = self.next_token, self.next_token + 1
+        return TargetStep([token], 0, None)
 
     async def close(self) -> None:
         self.events.append(f"close {self.name}")
 
 
 class FakeBackends:
-    """Records each open and close; `failing` maps a service to the error its open raises
-    (or to HANG: its open never returns)."""
+    """Records each open, cancelled open and close; `failing` maps a service to the error its
+    open raises (or to HANG: its open never returns); `delays_s` how long each open takes."""
 
-    def __init__(self, failing: dict[str, BaseException | object]) -> None:
+    def __init__(self, failing: dict[str, BaseException | object], **delays_s: float) -> None:
         self.events: list[str] = []
         self.failing = failing
+        self.delays_s = {"target": 0.01, "drafter": 0.01} | delays_s
         self.is_drafter_usable, self.feature_transport, self.shared_buffer = True, "inline", None
         self.target, self.drafter = self.Target(self), self.Drafter(self)
         self.drafter_errors: list[Exception] = []
+        self.target_info = SimpleNamespace(vocab_size=256, eos_token_ids=(), max_context_tokens=64)
 
     def drafter_failed(self, error: Exception) -> None:
         self.drafter_errors.append(error)
 
     async def open(self, name: str, transport: str) -> FakeSession:
         self.events.append(f"open {name} {transport}")
-        failure = self.failing.get(name)
-        if failure is HANG:
-            await asyncio.Event().wait()
+        try:
+            await asyncio.sleep(self.delays_s[name])
+            failure = self.failing.get(name)
+            if failure is HANG:
+                await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.events.append(f"cancel {name}")
+            raise
         if failure is not None:
             raise failure
         return FakeSession(name, self.events)
@@ -75,22 +102,54 @@ HANG = object()
 STREAM_ENDED = SessionStreamEndedError("the session stream ended while waiting for opened")
 
 
-def opening_sessions(backends: FakeBackends):
+class ByteDecoder:
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return bytes(ids).decode(errors="replace")
+
+
+def generator_for(backends: FakeBackends) -> Generator:
     config = GatewayConfig(target_address="-", tokenizer_path="-")
-    generator = Generator(config, backends, None, GatewayMetrics("test"))
-    request = GenerationRequest(is_chat=False, model=None, prompt_ids=(1, 2))
-    return generator._open_sessions(request)
+    return Generator(config, backends, ByteDecoder(), GatewayMetrics("test"))
+
+
+REQUEST = GenerationRequest(is_chat=False, model=None, prompt_ids=(1, 2), max_tokens=3)
 
 
 def open_sessions(backends: FakeBackends):
-    return asyncio.run(opening_sessions(backends))
+    return asyncio.run(generator_for(backends)._open_sessions(REQUEST))
 
 
-def test_the_drafter_session_opens_before_the_target_session():
+def generate(backends: FakeBackends) -> str:
+    """The request's whole text (three tokens: "ABC")."""
+
+    async def go():
+        events = [e async for e in generator_for(backends).generate(REQUEST, [1, 2])]
+        assert isinstance(events[-1], Finished)
+        return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+    return asyncio.run(asyncio.wait_for(go(), 5.0))
+
+
+def test_the_target_session_opens_without_waiting_for_the_drafters():
+    """The drafter's open never returns: the target's session is open regardless, so the
+    prompt can go; closing the pending drafter session stops its open."""
+    backends = FakeBackends(failing={"drafter": HANG})
+
+    async def go():
+        target, drafter = await generator_for(backends)._open_sessions(REQUEST)
+        assert target.name == "target" and isinstance(drafter, PendingDrafterSession)
+        await drafter.close()
+
+    asyncio.run(asyncio.wait_for(go(), 2.0))
+    assert backends.events == ["open target inline", "open drafter inline", "cancel drafter"]
+
+
+def test_a_request_drafts_through_the_session_opened_alongside():
     backends = FakeBackends(failing={})
-    target, drafter = open_sessions(backends)
-    assert (target.name, drafter.name) == ("target", "drafter")
-    assert backends.events == ["open drafter inline", "open target inline"]
+    assert generate(backends) == "ABC"
+    assert backends.events.count("draft") == 1  # the last step (budget 0) drafts nothing
+    assert backends.events[-2:] == ["close target", "close drafter"]
+    assert backends.drafter_errors == []
 
 
 @pytest.mark.parametrize(
@@ -98,12 +157,20 @@ def test_the_drafter_session_opens_before_the_target_session():
     [(rpc_error("target"), "UNAVAILABLE: target down"), (STREAM_ENDED, "waiting for opened")],
 )
 def test_a_failed_target_open_is_a_503_and_closes_the_drafter_session(failure, message):
-    """An error status, or a stream that ended before "opened" (the service shut down)."""
-    backends = FakeBackends(failing={"target": failure})
+    """An error status, or a stream that ended before "opened" (the service shut down); the
+    drafter's session opened first and is closed."""
+    backends = FakeBackends(failing={"target": failure}, target=0.05, drafter=0.0)
     with pytest.raises(ApiError) as error:
         open_sessions(backends)
     assert error.value.status == 503 and message in error.value.message
-    assert backends.events == ["open drafter inline", "open target inline", "close drafter"]
+    assert backends.events == ["open target inline", "open drafter inline", "close drafter"]
+
+
+def test_a_failed_target_open_stops_the_drafters_open():
+    backends = FakeBackends(failing={"target": rpc_error("target"), "drafter": HANG})
+    with pytest.raises(ApiError):
+        open_sessions(backends)
+    assert backends.events == ["open target inline", "open drafter inline", "cancel drafter"]
 
 
 def test_a_target_open_cancelled_closes_the_drafter_session():
@@ -111,14 +178,19 @@ def test_a_target_open_cancelled_closes_the_drafter_session():
     backends = FakeBackends(failing={"target": HANG})
 
     async def go():
-        opening = asyncio.ensure_future(opening_sessions(backends))
+        opening = asyncio.ensure_future(generator_for(backends)._open_sessions(REQUEST))
         await asyncio.sleep(0.05)
         opening.cancel()
         with pytest.raises(asyncio.CancelledError):
             await opening
 
     asyncio.run(asyncio.wait_for(go(), 2.0))
-    assert backends.events == ["open drafter inline", "open target inline", "close drafter"]
+    assert backends.events == [
+        "open target inline",
+        "open drafter inline",
+        "cancel target",
+        "close drafter",
+    ]
 
 
 def test_a_target_only_open_that_fails_is_a_503():
@@ -130,12 +202,12 @@ def test_a_target_only_open_that_fails_is_a_503():
 
 
 @pytest.mark.parametrize("failure", [rpc_error("drafter"), STREAM_ENDED])
-def test_a_failed_drafter_open_falls_back_to_target_only(failure):
+def test_a_failed_drafter_open_costs_only_the_drafts(failure):
+    """The same text, target-only, and the drafter is reported failed."""
     backends = FakeBackends(failing={"drafter": failure})
-    target, drafter = open_sessions(backends)
-    assert target.name == "target" and drafter is None
-    assert backends.events == ["open drafter inline", "open target none"]
-    assert len(backends.drafter_errors) == 1
+    assert generate(backends) == "ABC"
+    assert "draft" not in backends.events and backends.events[-1] == "close target"
+    assert backends.drafter_errors == [failure]
 
 
 def test_a_full_drafter_runs_the_request_target_only_and_stays_usable():
@@ -143,9 +215,8 @@ def test_a_full_drafter_runs_the_request_target_only_and_stays_usable():
     request alone runs without drafts, and speculation stays on for the others."""
     full = rpc_error("drafter", grpc.StatusCode.RESOURCE_EXHAUSTED)
     backends = FakeBackends(failing={"drafter": full})
-    target, drafter = open_sessions(backends)
-    assert target.name == "target" and drafter is None
-    assert backends.events == ["open drafter inline", "open target none"]
+    assert generate(backends) == "ABC"
+    assert "draft" not in backends.events
     assert backends.drafter_errors == []
 
 
