@@ -67,8 +67,8 @@ class ImposedAcceptanceDrafter:
         self.times = times
 
     async def draft(self, features, anchor_id, num_drafts):
+        real = await self.real.session()  # (its open overlapped the prefill; not timed)
         began = time.perf_counter_ns()
-        real = await self.real.session()  # the open overlapped the prefill
         await real.draft(features, anchor_id, num_drafts)
         self.times.draft.append((time.perf_counter_ns() - began, real.last_forward_ns))
         self.times.batch_sizes["draft"].append(real.last_batch_size)
@@ -115,21 +115,27 @@ async def run_request(
         opening = drafter.open(transport, shared) if shared else drafter.open(transport)
         real = PendingDrafterSession(opening)
         drafter_session = ImposedAcceptanceDrafter(real, continuation, tau, vocab, times)
-    session = TimedTarget(
-        await target.open(SamplingParams(), transport if use_drafter else "none"), times
-    )
-    opened = time.perf_counter() - began
-    gen = SpeculativeGeneration(
-        session, drafter_session, prompt, StopRules(max_new), 15, max_context
-    )
-    tokens, ttft = [], None
-    async for token in gen.tokens():
-        tokens.append(token)
-        ttft = ttft if ttft is not None else time.perf_counter() - began
-    total = time.perf_counter() - began
-    await session.close()
-    if drafter_session is not None:
-        await drafter_session.close()
+    session = None
+    try:
+        session = TimedTarget(
+            await target.open(SamplingParams(), transport if use_drafter else "none"), times
+        )
+        opened = time.perf_counter() - began
+        gen = SpeculativeGeneration(
+            session, drafter_session, prompt, StopRules(max_new), 15, max_context
+        )
+        tokens, ttft = [], None
+        async for token in gen.tokens():
+            tokens.append(token)
+            ttft = ttft if ttft is not None else time.perf_counter() - began
+        total = time.perf_counter() - began
+    finally:
+        if session is not None:
+            await session.close()
+        if drafter_session is not None:
+            await drafter_session.close()
+    if gen.drafter_error is not None:  # never measure a target-only run as a drafted one
+        raise RuntimeError(f"the drafter failed: {gen.drafter_error!r}") from gen.drafter_error
     return RequestResult(tokens, ttft, total, times, opened)
 
 

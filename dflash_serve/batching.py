@@ -77,11 +77,13 @@ class DynamicBatcher(Generic[Request, Result]):
         max_gap_us: stop waiting once no request has come for this long (since the wait began
         or the last one came): requests of sessions in step arrive one after another as each
         is handed on, so a long wait serves them while a pause ends it (the sessions not yet
-        here are busy elsewhere); None: only max_wait_us bounds the wait."""
-        if max_batch_size < 1 or max_wait_us < 0 or (max_gap_us is not None and max_gap_us < 0):
+        here are busy elsewhere), except while sessions are opening (`open_session`: their
+        opens run one after another on the thread, and each open's end counts as an arrival);
+        None: only max_wait_us bounds the wait."""
+        if max_batch_size < 1 or max_wait_us < 0 or (max_gap_us is not None and max_gap_us < 1):
             raise ValueError(
-                f"max_batch_size must be >= 1 and max_wait_us, max_gap_us >= 0; got "
-                f"{max_batch_size}, {max_wait_us}, {max_gap_us}"
+                f"max_batch_size must be >= 1, max_wait_us >= 0 and max_gap_us >= 1 or None; "
+                f"got {max_batch_size}, {max_wait_us}, {max_gap_us}"
             )
         self._run_batch = run_batch
         self._num_possible_requests = num_possible_requests
@@ -137,6 +139,7 @@ class DynamicBatcher(Generic[Request, Result]):
         finally:
             self._opening.discard(opening)
             self._last_seen.pop(opening, None)
+            self._last_arrival = loop.time()  # a gapped wait gives its prompt the gap
             if self._wakeup is not None:  # a waiting batch counts again (one fewer if it failed)
                 self._wakeup.set()
         if self._session_of is not None:
@@ -196,7 +199,7 @@ class DynamicBatcher(Generic[Request, Result]):
         deadline = began + self.max_wait_s
         while self._num_live_pending() < self._largest_possible_batch():
             end = deadline
-            if self.max_gap_s is not None:
+            if self.max_gap_s is not None and not self._opening:
                 end = min(end, max(self._last_arrival, began) + self.max_gap_s)
             remaining = end - loop.time()
             if remaining <= 0:

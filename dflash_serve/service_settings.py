@@ -110,7 +110,7 @@ class ServiceSettings:
             "max_context_tokens": self.max_context_tokens >= 2,
             "max_batch_size": self.max_batch_size >= 1,
             "max_wait_us": self.max_wait_us is None or self.max_wait_us >= 0,
-            "max_gap_us": self.max_gap_us is None or self.max_gap_us >= 0,
+            "max_gap_us": self.max_gap_us is None or self.max_gap_us >= 1,
             "engine_threads": self.engine_threads >= 1,
             "grace_period_s": self.grace_period_s >= 0,
             "session_spin_us": self.session_spin_us is None or self.session_spin_us >= 0,

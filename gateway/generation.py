@@ -127,6 +127,10 @@ class Generator:
         if not request.ignore_eos:
             stop_ids |= set(info.eos_token_ids)
         stops = StopRules(self.max_new_tokens(request, len(prompt_ids)), frozenset(stop_ids))
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        matcher = StopStringMatcher(list(request.stop_strings))
+        pacing = DraftPacing(self.step_costs) if self.config.adaptive_drafting else None
+        num_tokens, finish_reason, first_token_at = 0, None, None
         target_session, drafter_session = await self._open_sessions(request)
         run = SpeculativeGeneration(
             target_session,
@@ -135,11 +139,8 @@ class Generator:
             stops,
             self.config.num_drafts,
             info.max_context_tokens,
-            DraftPacing(self.step_costs) if self.config.adaptive_drafting else None,
+            pacing,
         )
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
-        matcher = StopStringMatcher(list(request.stop_strings))
-        num_tokens, finish_reason, first_token_at = 0, None, None
         tokens = run.tokens()
         try:
             async for token in tokens:
@@ -167,8 +168,9 @@ class Generator:
             await target_session.close()
             if drafter_session is not None:
                 await drafter_session.close()
-            if run.drafter_error is not None and not is_full(run.drafter_error):
-                self.backends.drafter_failed(run.drafter_error)  # a full drafter is busy
+            failed_open = None if drafter_session is None else drafter_session.open_error
+            if run.drafter_error is not None and run.drafter_error is not failed_open:
+                self.backends.drafter_failed(run.drafter_error)  # (open: reported at once)
         usage = Usage(len(prompt_ids), num_tokens)
         ttft = None if first_token_at is None else first_token_at - began
         self.metrics.record_request(
@@ -182,13 +184,14 @@ class Generator:
         prefill forward), so the prompt goes as soon as the target's session is open, and
         the drafter's open overlaps the prefill (pending_drafter.py says why). The target
         exports features from its open on; should the drafter's open fail, the loop goes on
-        target-only (`generate` reports the failure unless the drafter was only full)."""
+        target-only and the failure is reported unless the drafter was only full."""
         backends, timeout = self.backends, self.config.request_timeout_s
         if not backends.is_drafter_usable:
             return await self._open_target_only(request)
         transport = backends.feature_transport
         drafter_session = PendingDrafterSession(
-            backends.drafter.open(transport, backends.shared_buffer, timeout)
+            backends.drafter.open(transport, backends.shared_buffer, timeout),
+            self._drafter_open_failed,
         )
         try:
             target_session = await backends.target.open(request.sampling, transport, timeout)
@@ -198,6 +201,12 @@ class Generator:
                 raise target_unavailable(error) from error
             raise
         return target_session, drafter_session
+
+    def _drafter_open_failed(self, error: BaseException) -> None:
+        """Reported at once, not at the request's end: a request that never drafts (one
+        token, a failed prefill) must not hide a broken drafter from the next ones."""
+        if not is_full(error):  # a full drafter has not failed
+            self.backends.drafter_failed(error)
 
     async def _open_target_only(self, request: GenerationRequest):
         try:

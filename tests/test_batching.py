@@ -181,9 +181,52 @@ def test_a_pause_longer_than_the_gap_ends_the_wait():
     assert 60_000 <= waited_us <= 400_000  # gap after b (~70 ms), not max_wait_us (3 s)
 
 
+def test_a_gapped_wait_counts_from_the_batch_start_for_requests_that_came_during_a_batch():
+    """b arrives while a's 150 ms batch runs; its wait starts when that batch ends, not when
+    b came (already more than a gap ago), so c, 20 ms later, joins it."""
+    batches = []
+
+    def run_batch(requests):
+        batches.append(sorted(requests))
+        if requests == ["a"]:
+            time.sleep(0.15)
+        return list(requests)
+
+    batcher = DynamicBatcher(run_batch, 8, MAX_WAIT_US, "gap", None, lambda: 3, max_gap_us=50_000)
+    run_submissions(batcher, [(0, "a"), (0.1, "b"), (0.22, "c")])
+    assert batches == [["a"], ["b", "c"]]
+
+
+def test_a_gapped_wait_waits_for_a_session_still_opening():
+    """The open takes three gaps; the early prompt waits for it and for the prompt that
+    follows it (an open's end counts as an arrival)."""
+    batches, open_sessions = [], {"early"}
+
+    def slow_open():
+        time.sleep(0.15)
+        open_sessions.add("late")
+        return "late"
+
+    batcher = recording_batcher(
+        batches,
+        lambda: len(open_sessions),
+        session_of=lambda r: r[0],
+        recent_s=10.0,  # (an opening session is otherwise waited for 0.1 s at most)
+        max_gap_us=50_000,
+    )
+
+    async def late_prompt():
+        session = await batcher.open_session(slow_open, print)
+        await asyncio.sleep(0.02)  # the open's answer reaches the client, which sends
+        return await batcher.submit((session, "prompt"))
+
+    run_concurrently(batcher, batcher.submit(("early", "prompt")), late_prompt())
+    assert batches == [[("early", "prompt"), ("late", "prompt")]]
+
+
 def test_a_negative_gap_is_refused():
     with pytest.raises(ValueError, match="max_gap_us"):
-        DynamicBatcher(list, 8, 1000, "bad", max_gap_us=-1)
+        DynamicBatcher(list, 8, 1000, "bad", max_gap_us=0)  # 0 would mean no wait at all
 
 
 def test_the_max_gap_flag_reaches_the_drafter_services_batcher(dflash_dir, causal_lm_dir):
@@ -199,7 +242,7 @@ def test_the_max_gap_flag_reaches_the_drafter_services_batcher(dflash_dir, causa
     finally:
         runtime.close()
     with pytest.raises(ConfigError, match="max_gap_us"):
-        replace(settings, max_gap_us=-1).validate("drafter")
+        replace(settings, max_gap_us=0).validate("drafter")
 
 
 async def after(delay_s, fn, *args):

@@ -210,6 +210,20 @@ def test_a_failed_drafter_open_costs_only_the_drafts(failure):
     assert backends.drafter_errors == [failure]
 
 
+def test_a_failed_drafter_open_is_reported_though_the_request_never_drafts():
+    """One token: the loop never drafts, yet the next requests must learn of the failure."""
+    backends = FakeBackends(failing={"drafter": rpc_error("drafter")}, target=0.05, drafter=0.0)
+    request = GenerationRequest(is_chat=False, model=None, prompt_ids=(1, 2), max_tokens=1)
+
+    async def go():
+        generator = generator_for(backends)
+        return [e async for e in generator.generate(request, [1, 2])]
+
+    events = asyncio.run(asyncio.wait_for(go(), 5.0))
+    assert [e.text for e in events if isinstance(e, TextDelta)] == ["A"]
+    assert backends.drafter_errors == [backends.failing["drafter"]]
+
+
 def test_a_full_drafter_runs_the_request_target_only_and_stays_usable():
     """RESOURCE_EXHAUSTED (every drafter session taken) is no failure of the drafter: this
     request alone runs without drafts, and speculation stays on for the others."""
