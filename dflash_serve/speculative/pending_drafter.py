@@ -65,15 +65,23 @@ class PendingDrafterSession:
         except asyncio.CancelledError:
             self._opening.add_done_callback(_close_in_background)
             raise
-        if not self._opening.cancelled() and self._opening.exception() is None:
-            await self._opening.result().close()
+        session = _opened_session(self._opening)
+        if session is not None:
+            await session.close()
+
+
+def _opened_session(opening: asyncio.Future) -> DrafterSession | None:
+    """The session an ended open gave; None when it was cancelled or failed (then nothing
+    was opened: a cancelled open undoes what it took)."""
+    if opening.cancelled() or opening.exception() is not None:
+        return None
+    return opening.result()
 
 
 def _close_in_background(opening: asyncio.Future) -> None:
-    if opening.cancelled() or opening.exception() is not None:
-        return  # nothing was opened (the open undoes what it took when cancelled)
-    closing = asyncio.ensure_future(opening.result().close())
-    closing.add_done_callback(_log_close_failure)
+    session = _opened_session(opening)
+    if session is not None:
+        asyncio.ensure_future(session.close()).add_done_callback(_log_close_failure)
 
 
 def _log_close_failure(closing: asyncio.Future) -> None:
