@@ -12,7 +12,7 @@ import torch
 
 from bench.timing import median_ms, synchronize
 from dflash_serve.checkpoint.safetensors_reader import TensorReader
-from dflash_serve.layers.int4_reads import INT4_READS
+from dflash_serve.layers.int4_reads import INT4_READS, PREFILL_INT4_READS_DEFAULT
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
 from dflash_serve.speculative.types import SamplingParams
@@ -175,20 +175,21 @@ def build_target(
     taps=(),
     fast_path: bool = True,
     int4_reads: str = INT4_READS[0],
+    prefill_int4_reads: str = PREFILL_INT4_READS_DEFAULT,
     prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS,
     prefill_batch_rows: int = DEFAULT_PREFILL_BATCH_ROWS,
     commit_graphs: bool = True,
 ) -> TargetEngine:
     """As the target service builds it: on a GPU, Triton kernels for up to max_slots × 16
     rows, verify graphs for batches of 1..max_slots and prefill graphs (unless `fast_path`
-    is off: the plain-torch reference path); `int4_reads`, `prefill_graph_tokens`,
-    `prefill_batch_rows` and `commit_graphs` as the service's flags."""
+    is off: the plain-torch reference path); `int4_reads`, `prefill_int4_reads`,
+    `prefill_graph_tokens`, `prefill_batch_rows` and `commit_graphs` as the service's flags."""
     from target_service.model.loader import load_target_model
 
     model = load_target_model(model_dir, torch.bfloat16, device)
     graph_batch_sizes, prefill_run_tokens = (), ()
     if fast_path and device.startswith("cuda"):
-        model.use_gpu_kernels(max_slots * BLOCK, int4_reads)
+        model.use_gpu_kernels(max_slots * BLOCK, int4_reads, prefill_int4_reads)
         graph_batch_sizes = tuple(range(1, max_slots + 1))
         prefill_run_tokens = prefill_graph_tokens
     shape = StateShape(max_slots, max_len)

@@ -9,10 +9,12 @@ batcher runs when the prompts arrive together) and through `prefill_and_choose` 
 one run length may share (run lengths up to the 256 rows the row kernels take; the shared
 forward runs on them at any row count), so run the kernels' 256 beside a larger budget.
 The single prompts of 256-1024 tokens show that longer prompts keep cuBLAS.
+`--prefill-int4-reads` (the service's flag, one or both values: an A/B in one run) sets
+what those forwards read for 4-bit layers.
 
 python -m bench.prefill_together --out bench/results/prefill-together-h200.json
     [--lengths 32 64 128] [--counts 1 2 4 8] [--prefill-batch-rows 256 1024]
-    [--layout int4_all]
+    [--layout int4_all] [--prefill-int4-reads int4 bf16]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from bench.measure_engine import build_target
 from bench.timing import median_ms, run_facts
 from dflash_serve.checkpoint.synthetic import LAYOUTS, QWEN35_4B_TEXT, write_target
+from dflash_serve.layers.int4_reads import INT4_READS, PREFILL_INT4_READS_DEFAULT
 from dflash_serve.speculative.types import SamplingParams
 from target_service.config import DEFAULT_PREFILL_BATCH_ROWS
 from target_service.speculative_step import PrefillRequest, prefill_and_choose, run_target_batch
@@ -88,6 +91,9 @@ def main() -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="int4_all")
     parser.add_argument("--solo-lengths", type=int, nargs="*", default=[256, 512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--prefill-int4-reads", choices=INT4_READS, nargs="+", default=[PREFILL_INT4_READS_DEFAULT]
+    )
     args = parser.parse_args()
     results = run_facts("python -m bench.prefill_together " + " ".join(sys.argv[1:]))
     if args.commit:
@@ -96,19 +102,25 @@ def main() -> None:
     model_dir = write_target(
         Path(tempfile.mkdtemp()) / "t", QWEN35_4B_TEXT, args.layout, device="cuda"
     )
-    for rows in args.prefill_batch_rows:
-        engine = build_target(model_dir, MAX_SLOTS, 2048 + 16, prefill_batch_rows=rows)
-        by_rows = results.setdefault("prefill_batch_rows", {})[str(rows)] = {}
-        for length in args.lengths:
-            for count in args.counts:
-                row = measure(engine, length, count, args.repeats)
-                by_rows[f"{count}x{length}"] = row
-                print(f"budget {rows} rows: {count} x {length} tokens {row}", flush=True)
-        for length in args.solo_lengths:  # row kernels up to 256 rows, cuBLAS above
-            row = measure(engine, length, 1, args.repeats)
-            by_rows[f"1x{length}"] = row
-            print(f"budget {rows} rows: 1 x {length} tokens {row}", flush=True)
-        del engine
+    for reads in args.prefill_int4_reads:
+        by_reads = results.setdefault("prefill_int4_reads", {})[reads] = {}
+        for rows in args.prefill_batch_rows:
+            engine = build_target(
+                model_dir, MAX_SLOTS, 2048 + 16, prefill_int4_reads=reads, prefill_batch_rows=rows
+            )
+            by_rows = by_reads.setdefault("prefill_batch_rows", {})[str(rows)] = {}
+            for length in args.lengths:
+                for count in args.counts:
+                    row = measure(engine, length, count, args.repeats)
+                    by_rows[f"{count}x{length}"] = row
+                    print(
+                        f"{reads} reads, budget {rows} rows: {count} x {length} {row}", flush=True
+                    )
+            for length in args.solo_lengths:  # row kernels up to 256 rows, cuBLAS above
+                row = measure(engine, length, 1, args.repeats)
+                by_rows[f"1x{length}"] = row
+                print(f"{reads} reads, budget {rows} rows: 1 x {length} {row}", flush=True)
+            del engine
     print(json.dumps(results, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

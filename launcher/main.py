@@ -8,7 +8,7 @@ import logging
 import sys
 
 from dflash_serve.errors import DflashError
-from dflash_serve.layers.int4_reads import INT4_READS
+from dflash_serve.layers.int4_reads import INT4_READS, PREFILL_INT4_READS_DEFAULT
 from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US, DTYPE_CHOICES
 from target_service.config import (
     DEFAULT_PREFILL_BATCH_ROWS,
@@ -186,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
         "kernel (the default: faster for one verify block on the H200, slower for 8 in the "
         "graph replays) or their dequantized bf16 copy; see README",
     )
+    target.add_argument(
+        "--prefill-int4-reads",
+        choices=INT4_READS,
+        default=PREFILL_INT4_READS_DEFAULT,
+        help="the same for prefill forwards on the GPU kernels (prompts up to the verify "
+        "rows, alone or sharing a forward): the bf16 copy by default, faster at prefill's "
+        "row counts; see README",
+    )
     add_service_flags(target, 50051)
 
     drafter = sub.add_parser("drafter", help="run the DFlash drafter gRPC service")
@@ -254,6 +262,7 @@ def run_target(args: argparse.Namespace) -> None:
         prefill_graph_tokens=args.prefill_graph_tokens,
         prefill_batch_rows=args.prefill_batch_rows,
         int4_reads=args.int4_reads,
+        prefill_int4_reads=args.prefill_int4_reads,
         commit_graphs=args.commit_graphs,
         service=service_settings(args),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash_serve.errors import ConfigError
-from dflash_serve.layers.int4_reads import INT4_READS
+from dflash_serve.layers.int4_reads import INT4_READS, PREFILL_INT4_READS_DEFAULT
 from dflash_serve.service_settings import ServiceSettings
 
 # Each prefill chunk is one eager forward with a fixed host cost on a GPU (~55 ms on an H200
@@ -35,6 +35,7 @@ class TargetServiceConfig:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     prefill_graph_tokens: tuple[int, ...] = DEFAULT_PREFILL_GRAPH_TOKENS  # GPU fast path only
     int4_reads: str = INT4_READS[0]  # what the GPU kernels read for 4-bit layers
+    prefill_int4_reads: str = PREFILL_INT4_READS_DEFAULT  # the same, on prefill forwards
     prefill_batch_rows: int = DEFAULT_PREFILL_BATCH_ROWS  # GPU fast path only
     commit_graphs: bool = True  # GPU fast path only: commits replayed from CUDA graphs
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -49,5 +50,8 @@ class TargetServiceConfig:
             )
         if self.prefill_batch_rows < 1:
             raise ConfigError(f"prefill_batch_rows must be >= 1, got {self.prefill_batch_rows}")
-        if self.int4_reads not in INT4_READS:
-            raise ConfigError(f"int4_reads must be one of {INT4_READS}, got {self.int4_reads!r}")
+        for name in ("int4_reads", "prefill_int4_reads"):
+            if getattr(self, name) not in INT4_READS:
+                raise ConfigError(
+                    f"{name} must be one of {INT4_READS}, got {getattr(self, name)!r}"
+                )

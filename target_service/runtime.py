@@ -37,7 +37,9 @@ class TargetRuntime:
         with fast_path_startup(is_fast):
             if is_fast:
                 model.use_gpu_kernels(
-                    service.max_batch_size * shape.max_block_tokens, config.int4_reads
+                    service.max_batch_size * shape.max_block_tokens,
+                    config.int4_reads,
+                    config.prefill_int4_reads,
                 )
             self.engine = TargetEngine(
                 model,

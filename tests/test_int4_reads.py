@@ -2,7 +2,8 @@
 
 Both must give the reference product: the bf16 copy (which reads no repacked tensors at all)
 that of the bf16-rounded weight, the packed bits (`w4a16_matmul`) that of the exact fp32
-weight; the choice reaches the service from `--int4-reads`.
+weight; the choice reaches the service from `--int4-reads`. Prefill forwards read the bf16
+copy whatever verify reads (`reading_bf16_copies`, `--prefill-int4-reads`).
 """
 
 from __future__ import annotations
@@ -11,12 +12,18 @@ import pytest
 import torch
 
 from dflash_serve.checkpoint.int4_formats import AWQ_GEMM, PackedInt4Weight, pack_awq_gemm
+from dflash_serve.checkpoint.synthetic import QWEN35_4B_TEXT, write_target
 from dflash_serve.errors import ConfigError
-from dflash_serve.kernels.row_matmul import row_matmul_reference
-from dflash_serve.kernels.w4a16_matmul import PlanarInt4
-from dflash_serve.layers.linear import Int4Linear, RowKernelGroup
+from dflash_serve.kernels.row_matmul import row_matmul, row_matmul_reference
+from dflash_serve.kernels.w4a16_matmul import PlanarInt4, w4a16_matmul
+from dflash_serve.layers import linear
+from dflash_serve.layers.linear import Int4Linear, RowKernelGroup, reading_bf16_copies
 from launcher.main import build_parser
 from target_service.config import TargetServiceConfig
+from target_service.engine import TargetEngine
+from target_service.model.loader import load_target_model
+from target_service.model.state import StateShape
+from tests.tiny_checkpoints import KERNEL_FRIENDLY
 
 pytest.importorskip("triton")
 
@@ -95,3 +102,91 @@ def test_a_group_keeps_one_packed_copy_and_its_members_refuse_the_kernel_alone()
         assert first(torch.zeros(17, K, dtype=torch.bfloat16, device=DEVICE)).shape == (17, N)
     first.use_row_kernel(16, "int4")  # set up again: it reads its own copy
     assert isinstance(first.kernel_weight(), PlanarInt4)
+
+
+def test_under_reading_bf16_copies_a_packed_layer_reads_its_copy_bit_for_bit():
+    layer = int4_layer()
+    layer.use_row_kernel(16, "int4")
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(7)).bfloat16().to(DEVICE)
+    with torch.inference_mode():
+        packed = layer(x)
+        with reading_bf16_copies():
+            copy = layer(x)
+        with reading_bf16_copies(False):
+            assert torch.equal(layer(x), packed)
+        assert torch.equal(packed, w4a16_matmul(x, layer.repacked))
+        assert torch.equal(copy, row_matmul(x, layer.weight))
+    assert not torch.equal(copy, packed)  # the two reads round differently: the check can fail
+
+
+def test_a_group_stacks_its_packed_members_copies_as_views_for_prefill():
+    """Under `reading_bf16_copies` the group runs the same matmuls over its members' bf16
+    copies, stacked once (each member's copy a view of the stack, no second copy); its
+    members called alone read their own copy instead of refusing."""
+    first, second = int4_layer(), int4_layer(n=24, seed=5)
+    copies = [layer.weight.clone() for layer in (first, second)]
+    for layer in (first, second):
+        layer.use_row_kernel(16, "int4")
+    group = RowKernelGroup([first, second])
+    ((_indices, stacked, _sizes),) = group.copy_calls
+    assert torch.equal(stacked, torch.cat(copies))
+    for layer, rows in ((first, slice(0, N)), (second, slice(N, N + 24))):
+        assert layer.weight.data_ptr() == stacked[rows].data_ptr()
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(8)).bfloat16().to(DEVICE)
+    with torch.inference_mode():
+        packed = group(x)
+        with reading_bf16_copies():
+            read = group(x)
+            assert torch.equal(group.stacked(x), row_matmul(x, stacked))
+            assert torch.equal(first(x), row_matmul(x, copies[0]))
+        whole = row_matmul(x, stacked)
+    assert torch.equal(read[0], whole[:, :N]) and torch.equal(read[1], whole[:, N:])
+    assert not torch.equal(read[0], packed[0])
+
+
+def tiny_int4_mlp_model(tmp_path, prefill_int4_reads):
+    """A 4-layer int4-MLP target (AWQ groups of 128) on the row kernels, up to 64 rows."""
+    sizes = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4}
+    config = QWEN35_4B_TEXT | KERNEL_FRIENDLY | sizes
+    config["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
+    model_dir = write_target(tmp_path / "int4_mlp", config, "int4_mlp", device=DEVICE)
+    model = load_target_model(model_dir, torch.bfloat16, DEVICE)
+    model.use_gpu_kernels(64, "int4", prefill_int4_reads)
+    return model
+
+
+@pytest.mark.parametrize("prefill_int4_reads", ["bf16", "int4"])
+def test_prefill_forwards_read_what_the_flag_says_and_verify_the_packed_bits(
+    tmp_path, monkeypatch, prefill_int4_reads
+):
+    """Which weights the row kernels get: a padded prefill (the prefill graphs' forward) reads
+    no packed bits by default, and the MLPs' packed bits with `prefill_int4_reads="int4"`;
+    a verify reads the MLPs' packed bits either way."""
+    model = tiny_int4_mlp_model(tmp_path, prefill_int4_reads)
+    reads = []
+    kernel_matmul = linear.row_kernel_matmul
+
+    def recorded(rows, weight, keep_splits=False):
+        reads.append(isinstance(weight, PlanarInt4))
+        return kernel_matmul(rows, weight, keep_splits)
+
+    monkeypatch.setattr(linear, "row_kernel_matmul", recorded)
+    engine = TargetEngine(model, StateShape(max_slots=1, max_len=48), (), prefill_run_tokens=(16,))
+    slot = engine.open_sequence()
+    engine.prefill(slot, list(range(3, 15)))
+    prefill_reads, reads[:] = list(reads), []
+    engine.verify([slot], [[5, 6, 7]])
+    mlp_reads = 2 * model.config.num_hidden_layers  # gate·up (one group) and down, per layer
+    assert sum(prefill_reads) == (mlp_reads if prefill_int4_reads == "int4" else 0)
+    assert sum(reads) == mlp_reads
+
+
+def test_the_prefill_flag_reaches_the_target_config():
+    parser = build_parser()
+    assert parser.parse_args(["target", "--model", "m"]).prefill_int4_reads == "bf16"
+    args = parser.parse_args(["target", "--model", "m", "--prefill-int4-reads", "int4"])
+    assert args.prefill_int4_reads == "int4"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["target", "--model", "m", "--prefill-int4-reads", "fp8"])
+    with pytest.raises(ConfigError, match="prefill_int4_reads"):
+        TargetServiceConfig(model="m", prefill_int4_reads="fp8").validate()

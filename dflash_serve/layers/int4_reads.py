@@ -20,3 +20,9 @@ against 2289 tok/s (int4-reads-e2e-2026-12-05-nvidia-h200.json).
 """
 
 INT4_READS = ("int4", "bf16")
+
+# What prefill forwards read (`--prefill-int4-reads`; `reading_bf16_copies`): the bf16 copy by
+# default, whatever verify and decode read. Prefill's calls have more rows than a verify's,
+# where the W4A16 kernel, which unpacks every weight again for each tile of rows, is the
+# slower one; prefill's bits need only agree among prefills, which all read the same.
+PREFILL_INT4_READS_DEFAULT = "bf16"

@@ -76,6 +76,22 @@ class Linear(RowIndependentLinear):
 
 # Rows a forward asks the row kernels to take beyond a layer's own max_kernel_rows.
 _ROWS_ASKED = contextvars.ContextVar("row_kernel_rows_asked", default=0)
+# Whether 4-bit layers on the kernel path read their bf16 copy whatever `use_row_kernel` chose.
+_READING_BF16_COPIES = contextvars.ContextVar("int4_reading_bf16_copies", default=False)
+
+
+@contextmanager
+def reading_bf16_copies(on: bool = True) -> Iterator[None]:
+    """Within (if `on`): 4-bit layers on the kernel path read their dequantized bf16 copy
+    through the dense `row_matmul`, even where verify and decode read the packed bits. For
+    prefill forwards: at prefill's row counts the dense kernel is the faster one (the W4A16
+    kernel unpacks every weight again for each row tile), and prefill's bits need only agree
+    among prefills (a prompt alone, padded, or sharing a forward), which all run under it."""
+    token = _READING_BF16_COPIES.set(on)
+    try:
+        yield
+    finally:
+        _READING_BF16_COPIES.reset(token)
 
 
 @contextmanager
@@ -153,6 +169,8 @@ class Int4Linear(RowIndependentLinear):
         self.max_kernel_rows = max_rows
 
     def kernel_weight(self):
+        if _READING_BF16_COPIES.get():
+            return self.weight
         if self.read_by_group:
             raise RuntimeError(
                 "this 4-bit layer's packed weight lives in its RowKernelGroup's stacked "
@@ -185,9 +203,10 @@ class RowKernelGroup:
     One launch instead of several, and a wider N that keeps the GPU busier. Dense members
     become views of the stacked weight (no second copy; a 4-bit layer reading its bf16 copy
     counts as dense, and that copy becomes a parameter); 4-bit members read packed hand their
-    repacked tensors over (`Int4Linear.hand_repacked_to_group`: freed once stacked). Only the
-    kernel path uses the group: calls above the members' row limit go through each linear's
-    bf16 weight as before.
+    repacked tensors over (`Int4Linear.hand_repacked_to_group`: freed once stacked), and
+    their bf16 copies are stacked too, as views, for calls under `reading_bf16_copies`
+    (`copy_calls`: the same matmuls over the copies). Only the kernel path uses the group:
+    calls above the members' row limit go through each linear's bf16 weight as before.
     """
 
     def __init__(self, linears: list[RowIndependentLinear]) -> None:
@@ -200,7 +219,7 @@ class RowKernelGroup:
             weight = linear.kernel_weight()
             kind = weight.group_size if isinstance(weight, PlanarInt4) else weight.dtype
             kinds.setdefault(kind, []).append(index)
-        self.calls = []
+        self.calls, self.copy_calls = [], []
         for indices in kinds.values():
             members = [linears[i] for i in indices]
             sizes = [linear.out_features for linear in members]
@@ -208,9 +227,15 @@ class RowKernelGroup:
                 stacked = concat_planar([linear.kernel_weight() for linear in members])
                 for linear in members:
                     linear.hand_repacked_to_group()
+                copies = stack_dense_weights(members)
             else:
-                stacked = stack_dense_weights(members)
+                stacked = copies = stack_dense_weights(members)
             self.calls.append((indices, stacked, sizes))
+            self.copy_calls.append((indices, copies, sizes))
+
+    def _matmuls(self) -> list[tuple[list[int], object, list[int]]]:
+        """The calls this context reads: `copy_calls` under `reading_bf16_copies`."""
+        return self.copy_calls if _READING_BF16_COPIES.get() else self.calls
 
     def accepts(self, x: torch.Tensor) -> bool:
         return fits_row_kernel(x, self.max_kernel_rows)
@@ -225,7 +250,7 @@ class RowKernelGroup:
         one matmul (needs `is_one_matmul`)."""
         if not self.is_one_matmul:
             raise ValueError("stacked: the group's linears are of more than one kind")
-        _indices, weight, _sizes = self.calls[0]
+        _indices, weight, _sizes = self._matmuls()[0]
         out = row_kernel_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -238,7 +263,7 @@ class RowKernelGroup:
         matmul's splits are kept only if all its members are listed."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         outputs: list[torch.Tensor | SplitSums | None] = [None] * len(self.linears)
-        for indices, stacked, sizes in self.calls:
+        for indices, stacked, sizes in self._matmuls():
             keep_splits = all(index in keep_splits_of for index in indices)
             stacked_out = row_kernel_matmul(rows, stacked, keep_splits)
             start = 0

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_serve.layers.int4_reads import INT4_READS
+from dflash_serve.layers.int4_reads import INT4_READS, PREFILL_INT4_READS_DEFAULT
 from dflash_serve.layers.linear import (
     Int4Linear,
     RowIndependentLinear,
     fits_row_kernel,
+    reading_bf16_copies,
     row_kernel_linear,
     row_kernels_up_to,
     row_stable_linear,
@@ -87,16 +88,28 @@ class Qwen35TextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
         self.lm_head: nn.Module | None = None  # set by the loader when not tied
         self.max_kernel_rows = 0
+        self.prefill_reads_bf16_copies = False  # set by use_gpu_kernels
         self.recurrence_kernel = None  # the GDN recurrence the verify runs, for commit's replay
 
-    def use_gpu_kernels(self, max_kernel_rows: int, int4_reads: str = INT4_READS[0]) -> None:
+    def use_gpu_kernels(
+        self,
+        max_kernel_rows: int,
+        int4_reads: str = INT4_READS[0],
+        prefill_int4_reads: str = PREFILL_INT4_READS_DEFAULT,
+    ) -> None:
         """Run verify/decode on the row-independent Triton kernels (CUDA, Triton needed).
 
         Calls of at most `max_kernel_rows` rows (tokens × sequences) take the kernels, and
         larger ones inside `row_kernels_for_prompts`; a speculative step must fit, so that
         its rows equal the same rows decoded alone.
-        `int4_reads`: what the kernels read for 4-bit layers (`INT4_READS`).
+        `int4_reads`: what the kernels read for 4-bit layers (`INT4_READS`) on verify and
+        decode; `prefill_int4_reads`: on prefill forwards (`reading_bf16_copies`).
         """
+        if prefill_int4_reads not in INT4_READS:
+            raise ValueError(
+                f"prefill_int4_reads must be one of {INT4_READS}, got {prefill_int4_reads!r}"
+            )
+        self.prefill_reads_bf16_copies = prefill_int4_reads == "bf16"
         for module in self.modules():
             if isinstance(module, Int4Linear):
                 module.use_row_kernel(max_kernel_rows, int4_reads)
@@ -150,8 +163,9 @@ class Qwen35TextModel(nn.Module):
         batch = batch.with_positions(token_ids.device)
         cos_sin = self.rotary.cos_sin(batch.positions(token_ids.device))
         outputs = {}  # a layer's output is the next residual add's sum: no add of its own
-        for layer_id, layer in enumerate(self.layers):
-            outputs[layer_id - 1], h, pending = layer(h, pending, batch, state, cos_sin)
+        with reading_bf16_copies(self.prefill_reads_bf16_copies and not batch.is_verify):
+            for layer_id, layer in enumerate(self.layers):
+                outputs[layer_id - 1], h, pending = layer(h, pending, batch, state, cos_sin)
         outputs[len(self.layers) - 1], final = self.norm.add_and_norm(h, pending)
         tapped = torch.cat([outputs[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
         return final, tapped
