@@ -15,6 +15,9 @@ import torch
 from dflash_serve.kernels import row_matmul as row_matmul_module
 from dflash_serve.kernels.row_matmul import (
     BLOCK_M,
+    BY_ROWS,
+    TMA_WIDE_LAUNCHES,
+    WIDE_LAUNCH,
     WIDE_MIN_ROWS,
     WideLaunch,
     matmul_config,
@@ -168,7 +171,17 @@ def with_interpreter_tiles(config):
     return config, WideLaunch(block_m=64, block_n=config.block_n, group_m=4)  # 9 row tiles
 
 
+@pytest.fixture(params=["tma", "pointers"])
+def wide_loads(request, monkeypatch):
+    """Each wide-launch test through both kernels: operands loaded through TMA descriptors
+    (what Hopper runs; the interpreter emulates them) and through pointers (other GPUs)."""
+    if request.param == "pointers":
+        monkeypatch.setattr(row_matmul_module, "tma_loads_fit", lambda *operands: False)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.usefixtures("wide_loads")
 def test_wide_launch_gives_the_split_launch_bits(shape):
     """Many rows (prefill) take the wide launch: one program per output tile adding the K
     splits up as it goes, in groups of row tiles, with ragged row, column and K tiles."""
@@ -180,6 +193,7 @@ def test_wide_launch_gives_the_split_launch_bits(shape):
     assert_close_to_reference(y, x, weight)
 
 
+@pytest.mark.usefixtures("wide_loads")
 def test_wide_launch_adds_splits_in_order():
     """The cancelling splits of test_split_sum_order_is_fixed through the wide launch: each
     split's sum starts from zero and joins the total in order, so splits 0 and 1 still cancel
@@ -207,6 +221,53 @@ def test_fewer_rows_than_wide_min_take_the_split_launch(monkeypatch):
     assert launched == []
     row_matmul(random_rows(WIDE_MIN_ROWS, k, seed=1), make_weight(n, k))
     assert len(launched) == 1
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_by_rows_the_wide_launch_takes_tma_tiles_for_its_rows_or_the_pointer_tiles(
+    monkeypatch, fits
+):
+    """The default wide launch asks `tma_wide_launch` for the call's rows where TMA can load
+    the operands and takes WIDE_LAUNCH where it cannot (here the tiles handed back are the
+    interpreter's, so the bits can be checked too)."""
+    n, k = SHAPES[1]
+    weight = make_weight(n, k)
+    config, interpreter_tiles = with_interpreter_tiles(matmul_config(n, k))
+    asked = []
+
+    def tma_wide_launch(rows):
+        asked.append(rows)
+        return interpreter_tiles
+
+    monkeypatch.setattr(row_matmul_module, "tma_wide_launch", tma_wide_launch)
+    monkeypatch.setattr(row_matmul_module, "tma_loads_fit", lambda *operands: fits)
+    monkeypatch.setattr(row_matmul_module, "WIDE_LAUNCH", interpreter_tiles)
+    x = wide_rows(k, seed=16)
+    y = row_matmul(x, weight, config=config, wide=BY_ROWS)
+    assert asked == ([x.shape[0]] if fits else [])
+    assert torch.equal(y, row_matmul(x, weight, config=config, wide=None))
+
+
+def test_tma_tiles_grow_with_the_rows_and_step_k_in_64s():
+    launches = dict(TMA_WIDE_LAUNCHES)
+    assert min(launches) == WIDE_MIN_ROWS
+    for rows in (WIDE_MIN_ROWS, 1023, 1024, 4096):
+        expected = max(r for r in launches if r <= rows)
+        assert row_matmul_module.tma_wide_launch(rows) == launches[expected]
+    assert row_matmul_module.tma_wide_launch(1024).block_n == 256
+    config = matmul_config(12352, 2560)  # the GDN input projections: K steps of 128
+    assert config.block_k == 128 and launches[1024].k_step(config) == 64
+    odd = dataclasses.replace(config, block_k=32, k_per_split=96)
+    assert launches[1024].k_step(odd) == 32  # 64 does not divide its splits
+    assert WIDE_LAUNCH.k_step(config) == 128  # None: the config's
+
+
+def test_tma_loads_need_16_byte_aligned_operands():
+    x = random_rows(9, 72, seed=17)
+    assert row_matmul_module.tma_loads_fit(x, make_weight(16, 72))
+    assert row_matmul_module.tma_loads_fit(x[1:])  # 144-byte rows: still aligned
+    assert not row_matmul_module.tma_loads_fit(x.view(-1)[1:577].view(8, 72))  # base
+    assert not row_matmul_module.tma_loads_fit(random_rows(8, 76, seed=18))  # 152-byte rows
 
 
 def test_row_tiles_must_be_a_power_of_two_up_to_8():
@@ -312,16 +373,22 @@ def test_qwen35_4b_shapes(name):
     assert_rows_independent(x[:37], weight)
 
 
+# Prefill's stacked matmuls too: gate+up, and the GDN input projections (K steps of 128).
+WIDE_SHAPES = QWEN35_4B_SHAPES | {"gate_up_stacked": (18432, 2560), "gdn_in_projs": (12352, 2560)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(QWEN35_4B_SHAPES))
+@pytest.mark.parametrize("name", list(WIDE_SHAPES))
 def test_qwen35_4b_shapes_wide_launch(name):
     """The shipped WideLaunch tiles give the split launch's bits on the GPU (its MMA chain per
     output element does not depend on the tile's size), so a prompt's rows are the same
-    whether it is prefilled alone or with others, at any row count."""
-    n, k = QWEN35_4B_SHAPES[name]
+    whether it is prefilled alone or with others, at any row count: the TMA tiles of 1024+
+    rows (1101 here) and of fewer (the last 512), in K steps of 64 whatever the config's."""
+    n, k = WIDE_SHAPES[name]
     weight = make_weight(n, k)
     x = random_rows(2 * WIDE_MIN_ROWS + 77, k, seed=15)
+    assert row_matmul_module.tma_loads_fit(x, weight)  # Hopper: TMA tiles for 1024+ rows
     y = row_matmul(x, weight)
     assert torch.equal(y.view(torch.int16), row_matmul(x, weight, wide=None).view(torch.int16))
     assert_close_to_reference(y, x, weight)

@@ -10,9 +10,10 @@ as W-tile · x-tileᵀ, the token rows on the MMA's narrow side) — again per s
 call. Split-K partials are summed by a second kernel in a fixed order,
 never with atomics. Calls of WIDE_MIN_ROWS rows or more (prompts prefilled together) take
 `WideLaunch` tiles instead (unless the config swaps operands): the same K splits, summed in
-the same order inside each program, so the same bits on the GPU. (Under the interpreter a
-tile's dot is numpy's, whose order may follow the tile's shape: there the wide launch's
-bits are only checked with the split launch's tile shapes.)
+the same order inside each program, so the same bits on the GPU; on Hopper their operands
+are loaded through TMA descriptors, with tiles chosen by the call's rows. (Under the
+interpreter a tile's dot is numpy's, whose order may follow the tile's shape: there the wide
+launch's bits are only checked with the split launch's tile shapes.)
 
 4-bit weights read packed go through `w4a16_matmul` (its own layout and kernel); a 4-bit
 layer reading its dequantized bf16 copy comes here like any dense one.
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dflash_serve.kernels import is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import (
@@ -114,20 +116,70 @@ class WideLaunch:
     order as it goes. A row's bits are those of the split launch, without fp32 partials in
     memory or a second kernel, and each weight tile feeds block_m rows, not 16 or 64.
     Programs of group_m consecutive row tiles share a column band (its weight tiles stay in
-    L2 while they are read)."""
+    L2 while they are read). block_k: the K step (None: the config's), one that divides the
+    config's splits; on the GPU a step of another size gives the same bits, since each output
+    element's MMA chain is the same k16 steps in K order (the interpreter's numpy dot may
+    follow the tile's shape instead: there the tests keep the config's)."""
 
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
     group_m: int = 8
+    block_k: int | None = None
+
+    def k_step(self, config: MatmulConfig) -> int:
+        """The K step this launch takes for `config`: its own where that divides the
+        config's splits, else the config's."""
+        if self.block_k is None or config.k_per_split % self.block_k:
+            return config.block_k
+        return self.block_k
 
 
 # 128 × 128, 8 warps, 3 stages: on an H100 (2026-12-05, bench/results/
 # prefill-wide-launch-2026-12-05-nvidia-h100.json) the per-forward matmul time at 512 / 1024 /
 # 2048 rows fell from 12.8 / 24.7 / 48.3 ms (split launch) to 8.7 / 16.9 / 31.5 ms, cuBLAS
-# 5.5 / 10.3 / 19.5 ms; same bits for every tile shape tried.
+# 5.5 / 10.3 / 19.5 ms; same bits for every tile shape tried. The tiles of loads through
+# pointers (`_wide_matmul_kernel`: GPUs without TMA, operands TMA cannot read).
 WIDE_LAUNCH = WideLaunch()
+# The tiles of loads through TMA descriptors (`_wide_tma_matmul_kernel`, Hopper), by the
+# call's rows: the largest minimum it reaches. On an H100 (2026-12-06, bench/results/
+# wide-tma-2026-12-06-nvidia-h100.json; the five dense Qwen3.5-4B prefill shapes weighted by
+# their count per forward) 7.35 ms at 512 rows and 12.19 at 1024, against 8.62 / 16.88 ms
+# through pointers and cuBLAS's 5.51 / 10.32; the same bits as the split launch for all.
+# K steps of 64 for all (the shapes whose split launch steps 128 gave its bits too).
+TMA_WIDE_LAUNCHES = (
+    (WIDE_MIN_ROWS, WideLaunch(block_m=128, block_n=128, num_warps=8, num_stages=4, block_k=64)),
+    (1024, WideLaunch(block_m=128, block_n=256, num_warps=8, num_stages=3, block_k=64)),
+)
+# `row_matmul`'s default `wide`: the shipped tiles for the call's rows and loads.
+BY_ROWS = "by_rows"
+TMA_ALIGNMENT = 16  # bytes: a TMA descriptor's base address and row stride
+
+
+def tma_wide_launch(rows: int) -> WideLaunch:
+    """The TMA wide launch's tiles for a call of `rows` (at least WIDE_MIN_ROWS) rows."""
+    return [launch for min_rows, launch in TMA_WIDE_LAUNCHES if rows >= min_rows][-1]
+
+
+def tma_loads_fit(*operands: torch.Tensor) -> bool:
+    """Whether TMA descriptors can read these 2-D operands: a GPU with TMA (Hopper or newer;
+    the interpreter emulates it) and base addresses and row strides of 16-byte multiples."""
+    if not is_interpreting() and not _has_tma(operands[0].device):
+        return False
+    return all(
+        t.data_ptr() % TMA_ALIGNMENT == 0 and (t.stride(0) * t.element_size()) % TMA_ALIGNMENT == 0
+        for t in operands
+    )
+
+
+def _has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and _compute_capability(device.index)[0] >= 9
+
+
+@functools.cache
+def _compute_capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def matmul_config(n: int, k: int) -> MatmulConfig:
@@ -359,6 +411,35 @@ def _wide_matmul_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
+def _wide_tma_matmul_kernel(
+    x_desc, w_desc, out_ptr, M, stride_om,
+    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
+):  # fmt: skip
+    """`_wide_matmul_kernel` with its x and weight tiles loaded through TMA descriptors
+    (zero outside the operands, so no masks): the same dots in the same K order, the same
+    bits; the copy engine frees the warps from address arithmetic and loads."""
+    wait_for_inputs()
+    row_tile, col_tile = grouped_tile(tl.program_id(0), M, BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N,
+                                      GROUP_M)  # fmt: skip
+    row0, col0 = row_tile * BLOCK_M, col_tile * BLOCK_N
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = x_desc.load([row0, k0])
+        w = w_desc.load([col0, k0])
+        acc = dot_in(x, w.T, acc, DOT_IN_FP32)
+        if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):
+            # split 0's sum as it is (0 + p0 would turn a -0.0 into +0.0), then p0 + p1 …
+            total = tl.where(k0 < K_PER_SPLIT, acc, total + acc)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    store_row_tile(out_ptr, total, row0, offs_n, M, N, 0, stride_om, BLOCK_M, 1,
+                   ROUND_ON_BITS, False)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(
     partial_ptr, out_ptr, M, stride_om,
     N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
@@ -391,7 +472,7 @@ def row_matmul(
     out: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
     keep_splits: bool = False,
-    wide: WideLaunch | None = WIDE_LAUNCH,
+    wide: WideLaunch | str | None = BY_ROWS,
 ) -> torch.Tensor | SplitSums:
     """`x @ weightᵀ` with fp32 accumulation and one rounding to bf16; rows are independent.
 
@@ -403,7 +484,8 @@ def row_matmul(
     (`SplitSums`, for a consumer that adds them up itself; `out` is then not written).
     wide: how calls of at least WIDE_MIN_ROWS rows are tiled (`WideLaunch`: same bits, splits
     summed inside; such a call returns the bf16 result even with keep_splits, which its
-    consumers turn into the same bits); None: every call through the split launch.
+    consumers turn into the same bits; BY_ROWS: the shipped tiles for the call's rows and
+    loads, `TMA_WIDE_LAUNCHES` or `WIDE_LAUNCH`); None: every call through the split launch.
     """
     n, k = _check_weight(weight, x)
     check_rows(x, k)
@@ -435,19 +517,34 @@ def row_matmul(
 
 def _wide_matmul(
     x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: MatmulConfig,
-    wide: WideLaunch,
+    wide: WideLaunch | str,
 ) -> torch.Tensor:  # fmt: skip
-    """`row_matmul` through `_wide_matmul_kernel`: config's K order, wide's tiles."""
+    """`row_matmul` through a wide kernel: config's K order, wide's tiles; x and the weight
+    loaded through TMA descriptors where they can be (`tma_loads_fit`), else through
+    pointers."""
     m, (n, k) = x.shape[0], weight.shape
+    uses_tma = tma_loads_fit(x, weight)
+    if wide == BY_ROWS:
+        wide = tma_wide_launch(m) if uses_tma else WIDE_LAUNCH
     grid = (triton.cdiv(m, wide.block_m) * triton.cdiv(n, wide.block_n),)
     is_interpreted = is_interpreting()
-    _wide_matmul_kernel[grid](
-        x, weight, out, m, x.stride(0), weight.stride(0), out.stride(0), N=n, K=k,
-        K_PER_SPLIT=config.k_per_split, BLOCK_M=wide.block_m, BLOCK_N=wide.block_n,
-        BLOCK_K=config.block_k, GROUP_M=wide.group_m, DOT_IN_FP32=is_interpreted,
-        ROUND_ON_BITS=is_interpreted, num_warps=wide.num_warps, num_stages=wide.num_stages,
-        **launch_options(),
-    )  # fmt: skip
+    shape_args = {"N": n, "K": k, "K_PER_SPLIT": config.k_per_split, "BLOCK_M": wide.block_m}
+    block_k = wide.k_step(config)
+    shape_args |= {"BLOCK_N": wide.block_n, "BLOCK_K": block_k, "GROUP_M": wide.group_m}
+    launch_args = {"DOT_IN_FP32": is_interpreted, "ROUND_ON_BITS": is_interpreted}
+    launch_args |= {"num_warps": wide.num_warps, "num_stages": wide.num_stages}
+    launch_args |= launch_options()
+    if uses_tma:
+        x_desc = TensorDescriptor.from_tensor(x, [wide.block_m, block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [wide.block_n, block_k])
+        _wide_tma_matmul_kernel[grid](
+            x_desc, w_desc, out, m, out.stride(0), **shape_args, **launch_args
+        )  # fmt: skip
+    else:
+        _wide_matmul_kernel[grid](
+            x, weight, out, m, x.stride(0), weight.stride(0), out.stride(0), **shape_args,
+            **launch_args,
+        )  # fmt: skip
     return out
 
 
