@@ -190,9 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-int4-reads",
         choices=INT4_READS,
         default=PREFILL_INT4_READS_DEFAULT,
-        help="the same for prefill forwards on the GPU kernels (prompts up to the verify "
-        "rows, alone or sharing a forward): the bf16 copy by default, faster at prefill's "
-        "row counts; see README",
+        help="the same for prefill forwards on the GPU kernels (prompts and prompt chunks "
+        "up to the verify rows, alone or sharing a forward): the bf16 copy by default, "
+        "faster at prefill's row counts; int4 needs --int4-reads int4; see README",
     )
     add_service_flags(target, 50051)
 

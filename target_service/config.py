@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash_serve.errors import ConfigError
-from dflash_serve.layers.int4_reads import INT4_READS, PREFILL_INT4_READS_DEFAULT
+from dflash_serve.layers.int4_reads import (
+    INT4_READS,
+    PREFILL_INT4_READS_DEFAULT,
+    check_int4_reads,
+)
 from dflash_serve.service_settings import ServiceSettings
 
 # Each prefill chunk is one eager forward with a fixed host cost on a GPU (~55 ms on an H200
@@ -50,8 +54,7 @@ class TargetServiceConfig:
             )
         if self.prefill_batch_rows < 1:
             raise ConfigError(f"prefill_batch_rows must be >= 1, got {self.prefill_batch_rows}")
-        for name in ("int4_reads", "prefill_int4_reads"):
-            if getattr(self, name) not in INT4_READS:
-                raise ConfigError(
-                    f"{name} must be one of {INT4_READS}, got {getattr(self, name)!r}"
-                )
+        try:
+            check_int4_reads(self.int4_reads, self.prefill_int4_reads)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error

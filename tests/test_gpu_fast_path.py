@@ -650,19 +650,25 @@ def test_after_warm_up_serving_compiles_no_recurrence_variant(kernel_model):
     assert len(cache) == compiled
 
 
-# Weight layouts × what 4-bit layers read: their bf16 copy (the serving default) or the W4A16
-# kernel.
-LAYOUTS_AND_READS = [("bf16", "bf16"), ("int4_all", "bf16"), ("int4_all", "int4")]
+# Weight layouts × what 4-bit layers read on verify and on prefill: their bf16 copy or the
+# W4A16 kernel (the serving default: "int4" on verify, the copy on prefill).
+LAYOUTS_AND_READS = [
+    ("bf16", "bf16/bf16"),
+    ("int4_all", "bf16/bf16"),
+    ("int4_all", "int4/bf16"),
+    ("int4_all", "int4/int4"),
+]
 
 
 def qwen35_4b_shaped_model(tmp_path, layout, int4_reads, max_kernel_rows=8 * 16):
     """Random weights of Qwen3.5-4B's layer shapes (4 layers) on the GPU kernels, by default
-    with room for 8 sequences' 16-token blocks."""
+    with room for 8 sequences' 16-token blocks; int4_reads: "verify/prefill" reads."""
     layer_types = ["linear_attention"] * 3 + ["full_attention"]
     config = QWEN35_4B_TEXT | {"num_hidden_layers": 4, "layer_types": layer_types}
     model_dir = write_target(tmp_path / layout, config, layout, device="cuda")
     model = load_target_model(model_dir, torch.bfloat16, "cuda")
-    model.use_gpu_kernels(max_kernel_rows, int4_reads)
+    verify_reads, prefill_reads = int4_reads.split("/")
+    model.use_gpu_kernels(max_kernel_rows, verify_reads, prefill_reads)
     return model
 
 

@@ -17,12 +17,14 @@ from dflash_serve.errors import ConfigError
 from dflash_serve.kernels.row_matmul import row_matmul, row_matmul_reference
 from dflash_serve.kernels.w4a16_matmul import PlanarInt4, w4a16_matmul
 from dflash_serve.layers import linear
+from dflash_serve.layers.int4_reads import check_int4_reads
 from dflash_serve.layers.linear import Int4Linear, RowKernelGroup, reading_bf16_copies
 from launcher.main import build_parser
 from target_service.config import TargetServiceConfig
 from target_service.engine import TargetEngine
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
+from tests.prefill_checks import assert_same_prefill_bits, greedy_tokens
 from tests.tiny_checkpoints import KERNEL_FRIENDLY
 
 pytest.importorskip("triton")
@@ -121,8 +123,8 @@ def test_under_reading_bf16_copies_a_packed_layer_reads_its_copy_bit_for_bit():
 
 def test_a_group_stacks_its_packed_members_copies_as_views_for_prefill():
     """Under `reading_bf16_copies` the group runs the same matmuls over its members' bf16
-    copies, stacked once (each member's copy a view of the stack, no second copy); its
-    members called alone read their own copy instead of refusing."""
+    copies, stacked once (each member's copy a view of the stack, no second copy); a member
+    called alone on the kernel path still refuses, as it does outside."""
     first, second = int4_layer(), int4_layer(n=24, seed=5)
     copies = [layer.weight.clone() for layer in (first, second)]
     for layer in (first, second):
@@ -138,7 +140,8 @@ def test_a_group_stacks_its_packed_members_copies_as_views_for_prefill():
         with reading_bf16_copies():
             read = group(x)
             assert torch.equal(group.stacked(x), row_matmul(x, stacked))
-            assert torch.equal(first(x), row_matmul(x, copies[0]))
+            with pytest.raises(RuntimeError, match="RowKernelGroup"):
+                first(x)  # alone it would split K by its own shape: other bits
         whole = row_matmul(x, stacked)
     assert torch.equal(read[0], whole[:, :N]) and torch.equal(read[1], whole[:, N:])
     assert not torch.equal(read[0], packed[0])
@@ -190,3 +193,82 @@ def test_the_prefill_flag_reaches_the_target_config():
         parser.parse_args(["target", "--model", "m", "--prefill-int4-reads", "fp8"])
     with pytest.raises(ConfigError, match="prefill_int4_reads"):
         TargetServiceConfig(model="m", prefill_int4_reads="fp8").validate()
+
+
+def test_a_group_built_under_reading_bf16_copies_still_stacks_the_packed_bits():
+    """The group sorts its members by what verify reads, whatever context builds it."""
+    first, second = int4_layer(), int4_layer(n=24, seed=5)
+    for layer in (first, second):
+        layer.use_row_kernel(16, "int4")
+    with reading_bf16_copies():
+        group = RowKernelGroup([first, second])
+    ((_indices, stacked, _sizes),) = group.calls
+    assert isinstance(stacked, PlanarInt4) and first.repacked is None
+
+
+@pytest.mark.parametrize("prefill_int4_reads", ["bf16", "int4"])
+def test_int4_prompts_prefilled_together_equal_each_alone(tmp_path, prefill_int4_reads):
+    """A shared padded prefill of a 4-bit target (its group's copies or packed bits) gives
+    each prompt the bits of its prefill alone, and the same decoding after."""
+    model = tiny_int4_mlp_model(tmp_path, prefill_int4_reads)
+    prompts = [
+        [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 1, 2],
+        [7 * i % 97 + 1 for i in range(9)],
+    ]
+
+    def new_engine(prefill_batch_rows):
+        shape = StateShape(max_slots=2, max_len=48)
+        return TargetEngine(
+            model, shape, (1,), prefill_run_tokens=(16,), prefill_batch_rows=prefill_batch_rows
+        )
+
+    together = new_engine(None)
+    assert together.prefill_group_size(16) == 2
+    slots = [together.open_sequence() for _ in prompts]
+    results = together.prefill_together(slots, prompts)
+    for slot, prompt, result in zip(slots, prompts, results, strict=True):
+        alone = new_engine(0)
+        alone_slot = alone.open_sequence()
+        expected = alone.prefill(alone_slot, prompt)
+        assert_same_prefill_bits(together, slot, result, alone, alone_slot, expected, len(prompt))
+        first = int(expected.last_logits.argmax())
+        assert greedy_tokens(together, slot, first, 2) == greedy_tokens(alone, alone_slot, first, 2)
+
+
+def test_prefill_reading_packed_bits_needs_verify_reading_them():
+    """With --int4-reads bf16 no packed copy exists: prefill could not read one."""
+    with pytest.raises(ConfigError, match="needs int4_reads 'int4'"):
+        TargetServiceConfig(model="m", int4_reads="bf16", prefill_int4_reads="int4").validate()
+    TargetServiceConfig(model="m", int4_reads="bf16", prefill_int4_reads="bf16").validate()
+    with pytest.raises(ValueError, match="needs int4_reads 'int4'"):
+        check_int4_reads("bf16", "int4")
+
+
+def test_the_reads_reach_the_model_from_the_command_line(causal_lm_dir, monkeypatch):
+    """launcher → TargetServiceConfig → TargetRuntime → use_gpu_kernels, both reads."""
+    from dflash_serve.service_settings import ServiceSettings
+    from launcher.main import run_target
+    from target_service import server
+    from target_service.model.decoder import Qwen35TextModel
+    from target_service.runtime import TargetRuntime
+
+    configs, asked = [], []
+
+    async def serve(config):
+        configs.append(config)
+
+    monkeypatch.setattr(server, "serve", serve)
+    argv = ["target", "--model", str(causal_lm_dir), "--prefill-int4-reads", "int4"]
+    run_target(build_parser().parse_args(argv))
+    (config,) = configs
+    assert (config.int4_reads, config.prefill_int4_reads) == ("int4", "int4")
+
+    def use_gpu_kernels(self, max_kernel_rows, int4_reads, prefill_int4_reads):
+        asked.append((int4_reads, prefill_int4_reads))
+        raise ConfigError("stopped after use_gpu_kernels")
+
+    monkeypatch.setattr(ServiceSettings, "uses_gpu_fast_path", lambda self: True)
+    monkeypatch.setattr(Qwen35TextModel, "use_gpu_kernels", use_gpu_kernels)
+    with pytest.raises(ConfigError, match="stopped after"):
+        TargetRuntime(config)
+    assert asked == [("int4", "int4")]

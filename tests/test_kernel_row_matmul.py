@@ -171,13 +171,37 @@ def with_interpreter_tiles(config):
     return config, WideLaunch(block_m=64, block_n=config.block_n, group_m=4)  # 9 row tiles
 
 
-@pytest.fixture(params=["tma", "pointers"])
+class RecordingLaunches:
+    """A Triton kernel standing in for itself that records each launch's grid."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+# Where TMA loads run: compiled on Hopper or newer, or the interpreter's emulation.
+HAS_TMA = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+needs_tma = pytest.mark.skipif(not HAS_TMA, reason="needs TMA (Hopper or newer)")
+
+
+@pytest.fixture(params=[pytest.param("tma", marks=needs_tma), "pointers"])
 def wide_loads(request, monkeypatch):
     """Each wide-launch test through both kernels: operands loaded through TMA descriptors
-    (what Hopper runs; the interpreter emulates them) and through pointers (other GPUs)."""
+    (what Hopper runs; the interpreter emulates them) and through pointers (other GPUs);
+    after the test, each wide call went through that kernel and no other."""
     if request.param == "pointers":
         monkeypatch.setattr(row_matmul_module, "tma_loads_fit", lambda *operands: False)
-    return request.param
+    kernels = {"tma": "_wide_tma_matmul_kernel", "pointers": "_wide_matmul_kernel"}
+    launches = {}
+    for loads, name in kernels.items():
+        launches[loads] = RecordingLaunches(getattr(row_matmul_module, name))
+        monkeypatch.setattr(row_matmul_module, name, launches[loads])
+    yield request.param
+    other = "pointers" if request.param == "tma" else "tma"
+    assert launches[request.param].grids and not launches[other].grids
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -223,7 +247,7 @@ def test_fewer_rows_than_wide_min_take_the_split_launch(monkeypatch):
     assert len(launched) == 1
 
 
-@pytest.mark.parametrize("fits", [True, False])
+@pytest.mark.parametrize("fits", [pytest.param(True, marks=needs_tma), False])
 def test_by_rows_the_wide_launch_takes_tma_tiles_for_its_rows_or_the_pointer_tiles(
     monkeypatch, fits
 ):
@@ -262,12 +286,22 @@ def test_tma_tiles_grow_with_the_rows_and_step_k_in_64s():
     assert WIDE_LAUNCH.k_step(config) == 128  # None: the config's
 
 
+def test_the_wide_launch_is_asked_for_by_name():
+    n, k = SHAPES[1]
+    with pytest.raises(ValueError, match="wide must be"):
+        row_matmul(wide_rows(k, seed=1), make_weight(n, k), wide="wide")
+    with pytest.raises(ValueError, match="at least 512 rows"):
+        row_matmul_module.tma_wide_launch(WIDE_MIN_ROWS - 1)
+
+
+@needs_tma
 def test_tma_loads_need_16_byte_aligned_operands():
     x = random_rows(9, 72, seed=17)
     assert row_matmul_module.tma_loads_fit(x, make_weight(16, 72))
     assert row_matmul_module.tma_loads_fit(x[1:])  # 144-byte rows: still aligned
     assert not row_matmul_module.tma_loads_fit(x.view(-1)[1:577].view(8, 72))  # base
     assert not row_matmul_module.tma_loads_fit(random_rows(8, 76, seed=18))  # 152-byte rows
+    assert not row_matmul_module.tma_loads_fit(x[:1].expand(8, 72))  # rows that overlap
 
 
 def test_row_tiles_must_be_a_power_of_two_up_to_8():
@@ -373,8 +407,15 @@ def test_qwen35_4b_shapes(name):
     assert_rows_independent(x[:37], weight)
 
 
-# Prefill's stacked matmuls too: gate+up, and the GDN input projections (K steps of 128).
-WIDE_SHAPES = QWEN35_4B_SHAPES | {"gate_up_stacked": (18432, 2560), "gdn_in_projs": (12352, 2560)}
+# Prefill's stacked matmuls too: gate+up, the GDN input projections (bf16: K steps of 128;
+# with 4-bit qkv and z read from their copies, those two and b+a apart) and attention's q+k+v.
+WIDE_SHAPES = QWEN35_4B_SHAPES | {
+    "gate_up_stacked": (18432, 2560),
+    "gdn_in_projs": (12352, 2560),
+    "gdn_qkvz_copies": (12288, 2560),
+    "gdn_ba": (64, 2560),
+    "attention_qkv": (10240, 2560),
+}
 
 
 @pytest.mark.gpu
@@ -388,7 +429,8 @@ def test_qwen35_4b_shapes_wide_launch(name):
     n, k = WIDE_SHAPES[name]
     weight = make_weight(n, k)
     x = random_rows(2 * WIDE_MIN_ROWS + 77, k, seed=15)
-    assert row_matmul_module.tma_loads_fit(x, weight)  # Hopper: TMA tiles for 1024+ rows
+    if torch.cuda.get_device_capability()[0] >= 9:  # Hopper: the TMA tiles for 1024+ rows
+        assert row_matmul_module.tma_loads_fit(x, weight)
     y = row_matmul(x, weight)
     assert torch.equal(y.view(torch.int16), row_matmul(x, weight, wide=None).view(torch.int16))
     assert_close_to_reference(y, x, weight)

@@ -11,9 +11,13 @@ call. Split-K partials are summed by a second kernel in a fixed order,
 never with atomics. Calls of WIDE_MIN_ROWS rows or more (prompts prefilled together) take
 `WideLaunch` tiles instead (unless the config swaps operands): the same K splits, summed in
 the same order inside each program, so the same bits on the GPU; on Hopper their operands
-are loaded through TMA descriptors, with tiles chosen by the call's rows. (Under the
-interpreter a tile's dot is numpy's, whose order may follow the tile's shape: there the wide
-launch's bits are only checked with the split launch's tile shapes.)
+are loaded through TMA descriptors, with tiles chosen by the call's rows. Those tiles and K
+steps do depend on the call, so the wide launch's bits rest on a property of the MMA (each
+output element's chain of k16 steps in K order is the same for any tile): measured on
+Hopper shape by shape, a new weight shape or GPU generation needs the GPU test
+(`test_qwen35_4b_shapes_wide_launch`). (Under the interpreter a tile's dot is numpy's,
+whose order may follow the tile's shape: there the wide launch's bits are only checked with
+the split launch's tile shapes.)
 
 4-bit weights read packed go through `w4a16_matmul` (its own layout and kernel); a 4-bit
 layer reading its dequantized bf16 copy comes here like any dense one.
@@ -144,7 +148,7 @@ class WideLaunch:
 WIDE_LAUNCH = WideLaunch()
 # The tiles of loads through TMA descriptors (`_wide_tma_matmul_kernel`, Hopper), by the
 # call's rows: the largest minimum it reaches. On an H100 (2026-12-06, bench/results/
-# wide-tma-2026-12-06-nvidia-h100.json; the five dense Qwen3.5-4B prefill shapes weighted by
+# wide-tma-2026-12-06-nvidia-h100.json; five dense Qwen3.5-4B prefill shapes weighted by
 # their count per forward) 7.35 ms at 512 rows and 12.19 at 1024, against 8.62 / 16.88 ms
 # through pointers and cuBLAS's 5.51 / 10.32; the same bits as the split launch for all.
 # K steps of 64 for all (the shapes whose split launch steps 128 gave its bits too).
@@ -159,16 +163,22 @@ TMA_ALIGNMENT = 16  # bytes: a TMA descriptor's base address and row stride
 
 def tma_wide_launch(rows: int) -> WideLaunch:
     """The TMA wide launch's tiles for a call of `rows` (at least WIDE_MIN_ROWS) rows."""
-    return [launch for min_rows, launch in TMA_WIDE_LAUNCHES if rows >= min_rows][-1]
+    fitting = [launch for min_rows, launch in TMA_WIDE_LAUNCHES if rows >= min_rows]
+    if not fitting:
+        raise ValueError(f"the wide launch takes at least {WIDE_MIN_ROWS} rows, got {rows}")
+    return fitting[-1]
 
 
 def tma_loads_fit(*operands: torch.Tensor) -> bool:
-    """Whether TMA descriptors can read these 2-D operands: a GPU with TMA (Hopper or newer;
-    the interpreter emulates it) and base addresses and row strides of 16-byte multiples."""
+    """Whether TMA descriptors can read these 2-D operands (unit last stride): a GPU with TMA
+    (Hopper or newer, tuned and checked on Hopper; the interpreter emulates it), rows that
+    do not overlap, and base addresses and row strides of 16-byte multiples."""
     if not is_interpreting() and not _has_tma(operands[0].device):
         return False
     return all(
-        t.data_ptr() % TMA_ALIGNMENT == 0 and (t.stride(0) * t.element_size()) % TMA_ALIGNMENT == 0
+        t.stride(0) >= t.shape[1]
+        and t.data_ptr() % TMA_ALIGNMENT == 0
+        and (t.stride(0) * t.element_size()) % TMA_ALIGNMENT == 0
         for t in operands
     )
 
@@ -418,8 +428,9 @@ def _wide_tma_matmul_kernel(
     DOT_IN_FP32: tl.constexpr, ROUND_ON_BITS: tl.constexpr,
 ):  # fmt: skip
     """`_wide_matmul_kernel` with its x and weight tiles loaded through TMA descriptors
-    (zero outside the operands, so no masks): the same dots in the same K order, the same
-    bits; the copy engine frees the warps from address arithmetic and loads."""
+    (zero outside the operands, so no masks): the same k16 MMA chain in K order and the same
+    split sums (its K step may differ from the config's), so the same bits; the copy engine
+    frees the warps from address arithmetic and loads."""
     wait_for_inputs()
     row_tile, col_tile = grouped_tile(tl.program_id(0), M, BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N,
                                       GROUP_M)  # fmt: skip
@@ -489,6 +500,8 @@ def row_matmul(
     """
     n, k = _check_weight(weight, x)
     check_rows(x, k)
+    if not (wide is None or wide == BY_ROWS or isinstance(wide, WideLaunch)):
+        raise ValueError(f"wide must be a WideLaunch, BY_ROWS or None, got {wide!r}")
     m = x.shape[0]
     if config is None:  # (explicit configs: tuning and tests only, never per call site)
         config = matmul_config(n, k)

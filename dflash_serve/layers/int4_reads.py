@@ -26,3 +26,16 @@ INT4_READS = ("int4", "bf16")
 # where the W4A16 kernel, which unpacks every weight again for each tile of rows, is the
 # slower one; prefill's bits need only agree among prefills, which all read the same.
 PREFILL_INT4_READS_DEFAULT = "bf16"
+
+
+def check_int4_reads(int4_reads: str, prefill_int4_reads: str) -> None:
+    """ValueError unless both are choices of INT4_READS and prefill's packed reads have a
+    packed copy to read (none is made when verify reads the bf16 copy)."""
+    for name, value in (("int4_reads", int4_reads), ("prefill_int4_reads", prefill_int4_reads)):
+        if value not in INT4_READS:
+            raise ValueError(f"{name} must be one of {INT4_READS}, got {value!r}")
+    if prefill_int4_reads == "int4" and int4_reads == "bf16":
+        raise ValueError(
+            "prefill_int4_reads 'int4' needs int4_reads 'int4': with int4_reads 'bf16' no "
+            "packed copy is made, so prefill reads the bf16 copy too"
+        )

@@ -140,10 +140,11 @@ def row_kernel_linear(
 class Int4Linear(RowIndependentLinear):
     """A 4-bit linear layer; the packed tensors stay the source of truth.
 
-    The dequantized weight serves the reference path and calls beyond the kernels' rows
-    (long prompts) through cuBLAS. On verify and decode the row kernel reads either that
-    bf16 weight or, with `use_row_kernel(rows, "int4")`, the 4-bit tensors repacked once for
-    the W4A16 kernel (`w4a16_matmul`, 4 bits per weight; see INT4_READS).
+    The dequantized weight serves the reference path, calls beyond the kernels' rows
+    (long prompts) through cuBLAS, and prefill forwards on the row kernels
+    (`reading_bf16_copies`). On verify and decode the row kernel reads either that bf16
+    weight or, with `use_row_kernel(rows, "int4")`, the 4-bit tensors repacked once for the
+    W4A16 kernel (`w4a16_matmul`, 4 bits per weight; see INT4_READS).
     """
 
     def __init__(self, packed: PackedInt4Weight, compute_dtype: torch.dtype) -> None:
@@ -169,19 +170,20 @@ class Int4Linear(RowIndependentLinear):
         self.max_kernel_rows = max_rows
 
     def kernel_weight(self):
-        if _READING_BF16_COPIES.get():
-            return self.weight
         if self.read_by_group:
             raise RuntimeError(
-                "this 4-bit layer's packed weight lives in its RowKernelGroup's stacked "
-                "matmul: call the group (or use_row_kernel again to read it alone)"
+                "this 4-bit layer's weight lives in its RowKernelGroup's stacked matmuls: "
+                "call the group (or use_row_kernel again to read it alone)"
             )
+        if _READING_BF16_COPIES.get():
+            return self.weight
         return self.weight if self.repacked is None else self.repacked
 
     def hand_repacked_to_group(self) -> None:
         """Free the repacked copy once a RowKernelGroup has stacked it: the group computes
-        every call that fits the kernel (and a call alone would split K by its own shape,
-        with other bits), so the copy would only hold memory."""
+        every call that fits the kernel, packed or (`reading_bf16_copies`) from its stacked
+        copies (a call alone would split K by its own shape, with other bits), so the copy
+        would only hold memory."""
         self.repacked = None
         self.read_by_group = True
 
@@ -202,11 +204,12 @@ class RowKernelGroup:
 
     One launch instead of several, and a wider N that keeps the GPU busier. Dense members
     become views of the stacked weight (no second copy; a 4-bit layer reading its bf16 copy
-    counts as dense, and that copy becomes a parameter); 4-bit members read packed hand their
-    repacked tensors over (`Int4Linear.hand_repacked_to_group`: freed once stacked), and
-    their bf16 copies are stacked too, as views, for calls under `reading_bf16_copies`
-    (`copy_calls`: the same matmuls over the copies). Only the kernel path uses the group:
-    calls above the members' row limit go through each linear's bf16 weight as before.
+    counts as dense); 4-bit members read packed hand their repacked tensors over
+    (`Int4Linear.hand_repacked_to_group`: freed once stacked), and their bf16 copies are
+    stacked too, as views, for calls under `reading_bf16_copies` (`copy_calls`: the same
+    matmuls over the copies). Every stacked member's bf16 weight becomes a parameter (a
+    view). Only the kernel path uses the group: calls above the members' row limit go
+    through each linear's bf16 weight as before.
     """
 
     def __init__(self, linears: list[RowIndependentLinear]) -> None:
@@ -215,16 +218,17 @@ class RowKernelGroup:
         self.linears = linears
         self.max_kernel_rows = min(linear.max_kernel_rows for linear in linears)
         kinds: dict[object, list[int]] = {}
-        for index, linear in enumerate(linears):
-            weight = linear.kernel_weight()
+        with reading_bf16_copies(False):  # what verify reads, whatever the caller's context
+            kernel_weights = [linear.kernel_weight() for linear in linears]
+        for index, weight in enumerate(kernel_weights):
             kind = weight.group_size if isinstance(weight, PlanarInt4) else weight.dtype
             kinds.setdefault(kind, []).append(index)
         self.calls, self.copy_calls = [], []
         for indices in kinds.values():
             members = [linears[i] for i in indices]
             sizes = [linear.out_features for linear in members]
-            if isinstance(members[0].kernel_weight(), PlanarInt4):
-                stacked = concat_planar([linear.kernel_weight() for linear in members])
+            if isinstance(kernel_weights[indices[0]], PlanarInt4):
+                stacked = concat_planar([kernel_weights[i] for i in indices])
                 for linear in members:
                     linear.hand_repacked_to_group()
                 copies = stack_dense_weights(members)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_serve.layers.int4_reads import INT4_READS, PREFILL_INT4_READS_DEFAULT
+from dflash_serve.layers.int4_reads import (
+    INT4_READS,
+    PREFILL_INT4_READS_DEFAULT,
+    check_int4_reads,
+)
 from dflash_serve.layers.linear import (
     Int4Linear,
     RowIndependentLinear,
@@ -105,10 +109,7 @@ class Qwen35TextModel(nn.Module):
         `int4_reads`: what the kernels read for 4-bit layers (`INT4_READS`) on verify and
         decode; `prefill_int4_reads`: on prefill forwards (`reading_bf16_copies`).
         """
-        if prefill_int4_reads not in INT4_READS:
-            raise ValueError(
-                f"prefill_int4_reads must be one of {INT4_READS}, got {prefill_int4_reads!r}"
-            )
+        check_int4_reads(int4_reads, prefill_int4_reads)
         self.prefill_reads_bf16_copies = prefill_int4_reads == "bf16"
         for module in self.modules():
             if isinstance(module, Int4Linear):
