@@ -44,9 +44,15 @@ def programmatic_launch() -> bool:
     way. DFLASH_PDL=0 turns it off (to measure what it saves); the interpreter ignores it."""
     if os.environ.get("DFLASH_PDL", "1") == "0":
         return False
+    return is_hopper_or_newer()
+
+
+def is_hopper_or_newer(device_index: int | None = None) -> bool:
+    """Whether a CUDA device (the current one for None) is Hopper or newer (compute
+    capability 9+): what programmatic dependent launch and TMA loads need."""
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def launch_options(fp_fusion: bool = FP_FUSION) -> dict[str, bool]:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dflash_serve.kernels import is_interpreting, launch_options
+from dflash_serve.kernels import is_hopper_or_newer, is_interpreting, launch_options
 from dflash_serve.kernels.jit_math import (
     dot_in,
     grouped_tile,
@@ -173,7 +173,8 @@ def tma_loads_fit(*operands: torch.Tensor) -> bool:
     """Whether TMA descriptors can read these 2-D operands (unit last stride): a GPU with TMA
     (Hopper or newer, tuned and checked on Hopper; the interpreter emulates it), rows that
     do not overlap, and base addresses and row strides of 16-byte multiples."""
-    if not is_interpreting() and not _has_tma(operands[0].device):
+    device = operands[0].device
+    if not is_interpreting() and not (device.type == "cuda" and is_hopper_or_newer(device.index)):
         return False
     return all(
         t.stride(0) >= t.shape[1]
@@ -181,15 +182,6 @@ def tma_loads_fit(*operands: torch.Tensor) -> bool:
         and (t.stride(0) * t.element_size()) % TMA_ALIGNMENT == 0
         for t in operands
     )
-
-
-def _has_tma(device: torch.device) -> bool:
-    return device.type == "cuda" and _compute_capability(device.index)[0] >= 9
-
-
-@functools.cache
-def _compute_capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def matmul_config(n: int, k: int) -> MatmulConfig:
@@ -389,6 +381,19 @@ def _row_matmul_kernel(
                  BLOCK_M, ROW_TILES, SPLIT_K, ROUND_ON_BITS, SWAP_AB)  # fmt: skip
 
 
+@triton.jit
+def _join_ended_split(
+    acc, total, k0, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """(acc, total) after the wide kernels' dot at k0: where that ends a K split, the split's
+    sum joins the total and the next split starts from zero; split 0's sum is taken as it is
+    (0 + p0 would turn a -0.0 into +0.0), then p0 + p1 … (the order of `summed_splits`)."""
+    if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):
+        total = tl.where(k0 < K_PER_SPLIT, acc, total + acc)
+        acc = tl.zeros_like(acc)
+    return acc, total
+
+
 @triton.jit(do_not_specialize=["M"])
 def _wide_matmul_kernel(
     x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_om,
@@ -412,10 +417,7 @@ def _wide_matmul_kernel(
         acc = _x_tile_dot(
             x_ptr, row0, M, stride_xm, offs_k, offs_k < K, w, acc, BLOCK_M, DOT_IN_FP32, False
         )
-        if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):
-            # split 0's sum as it is (0 + p0 would turn a -0.0 into +0.0), then p0 + p1 …
-            total = tl.where(k0 < K_PER_SPLIT, acc, total + acc)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc, total = _join_ended_split(acc, total, k0, K, K_PER_SPLIT, BLOCK_K)
     store_row_tile(out_ptr, total, row0, offs_n, M, N, 0, stride_om, BLOCK_M, 1,
                    ROUND_ON_BITS, False)  # fmt: skip
 
@@ -441,10 +443,7 @@ def _wide_tma_matmul_kernel(
         x = x_desc.load([row0, k0])
         w = w_desc.load([col0, k0])
         acc = dot_in(x, w.T, acc, DOT_IN_FP32)
-        if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):
-            # split 0's sum as it is (0 + p0 would turn a -0.0 into +0.0), then p0 + p1 …
-            total = tl.where(k0 < K_PER_SPLIT, acc, total + acc)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc, total = _join_ended_split(acc, total, k0, K, K_PER_SPLIT, BLOCK_K)
     offs_n = col0 + tl.arange(0, BLOCK_N)
     store_row_tile(out_ptr, total, row0, offs_n, M, N, 0, stride_om, BLOCK_M, 1,
                    ROUND_ON_BITS, False)  # fmt: skip
