@@ -42,3 +42,16 @@ def greedy_tokens(engine, slot, first_token, count):
         tokens.append(int(engine.verify([slot], [[tokens[-1]]]).logits[0, 0].argmax()))
         engine.commit(slot, 1)
     return tokens
+
+
+def assert_each_as_alone(engine, slots, prompts, results, new_alone_engine, num_decoded):
+    """Each prompt's prefill result on `engine` (and the greedy tokens decoded after it) has
+    the bits of the prompt prefilled alone on a fresh engine from `new_alone_engine()`."""
+    for slot, prompt, result in zip(slots, prompts, results, strict=True):
+        alone = new_alone_engine()
+        alone_slot = alone.open_sequence()
+        expected = alone.prefill(alone_slot, prompt)
+        assert_same_prefill_bits(engine, slot, result, alone, alone_slot, expected, len(prompt))
+        first = int(expected.last_logits.argmax())
+        decoded = greedy_tokens(engine, slot, first, num_decoded)
+        assert decoded == greedy_tokens(alone, alone_slot, first, num_decoded)

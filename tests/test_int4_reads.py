@@ -24,7 +24,7 @@ from target_service.config import TargetServiceConfig
 from target_service.engine import TargetEngine
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
-from tests.prefill_checks import assert_same_prefill_bits, greedy_tokens
+from tests.prefill_checks import assert_each_as_alone
 from tests.tiny_checkpoints import KERNEL_FRIENDLY
 
 pytest.importorskip("triton")
@@ -226,13 +226,7 @@ def test_int4_prompts_prefilled_together_equal_each_alone(tmp_path, prefill_int4
     assert together.prefill_group_size(16) == 2
     slots = [together.open_sequence() for _ in prompts]
     results = together.prefill_together(slots, prompts)
-    for slot, prompt, result in zip(slots, prompts, results, strict=True):
-        alone = new_engine(0)
-        alone_slot = alone.open_sequence()
-        expected = alone.prefill(alone_slot, prompt)
-        assert_same_prefill_bits(together, slot, result, alone, alone_slot, expected, len(prompt))
-        first = int(expected.last_logits.argmax())
-        assert greedy_tokens(together, slot, first, 2) == greedy_tokens(alone, alone_slot, first, 2)
+    assert_each_as_alone(together, slots, prompts, results, lambda: new_engine(0), 2)
 
 
 def test_prefill_reading_packed_bits_needs_verify_reading_them():

@@ -27,7 +27,8 @@ from target_service.speculative_step import (
     prefill_and_choose,
     run_target_batch,
 )
-from tests.prefill_checks import assert_same_prefill_bits, greedy_tokens, record_padded_forwards
+from tests import prefill_checks
+from tests.prefill_checks import greedy_tokens, record_padded_forwards
 
 TAP = 1
 RUN_TOKENS = (16, 32, 64)
@@ -51,13 +52,10 @@ def new_engine(model, prefill_batch_rows=128, run_tokens=RUN_TOKENS, max_slots=4
 
 
 def assert_each_as_alone(model, engine, slots, prompts, results):
-    for slot, prompt, result in zip(slots, prompts, results, strict=True):
-        alone = new_engine(model, prefill_batch_rows=0)
-        alone_slot = alone.open_sequence()
-        expected = alone.prefill(alone_slot, prompt)
-        assert_same_prefill_bits(engine, slot, result, alone, alone_slot, expected, len(prompt))
-        first = int(expected.last_logits.argmax())
-        assert greedy_tokens(engine, slot, first, 4) == greedy_tokens(alone, alone_slot, first, 4)
+    def new_alone_engine():
+        return new_engine(model, prefill_batch_rows=0)
+
+    prefill_checks.assert_each_as_alone(engine, slots, prompts, results, new_alone_engine, 4)
 
 
 def test_prompts_prefilled_together_equal_each_alone_on_the_reference_path(
