@@ -125,8 +125,8 @@ async def run_request(
             session, drafter_session, prompt, StopRules(max_new), 15, max_context
         )
         tokens, ttft = [], None
-        async for token in gen.tokens():
-            tokens.append(token)
+        async for step_ids in gen.steps():  # a step at a time, as the gateway takes them
+            tokens.extend(step_ids)
             ttft = ttft if ttft is not None else time.perf_counter() - began
         total = time.perf_counter() - began
     finally:

@@ -141,14 +141,24 @@ class Generator:
             info.max_context_tokens,
             pacing,
         )
-        tokens = run.tokens()
+        steps = run.steps()
         try:
-            async for token in tokens:
-                num_tokens += 1
+            # A step's tokens go out together: one detokenization and one streamed chunk
+            # per step, not per token (at τ = 6 and 8 streams, ~6 × 8 of each per step, one
+            # after another on this process's loop). With stop strings, token by token, so
+            # that the usage counts the tokens up to the one that completed a stop string.
+            async for step_ids in steps:
                 first_token_at = first_token_at or time.monotonic()
-                if token in stop_ids:
-                    continue  # the loop ends right after a stop token; its text is not shown
-                text, stopped = matcher.push(detokenizer.add(token))
+                parts = [step_ids] if not matcher.stop_strings else [[t] for t in step_ids]
+                text, stopped = "", False
+                for ids in parts:
+                    num_tokens += len(ids)
+                    # The loop ends right after a stop token; its text is not shown.
+                    shown = [token for token in ids if token not in stop_ids]
+                    part_text, stopped = matcher.push(detokenizer.extend(shown))
+                    text += part_text
+                    if stopped:
+                        break
                 if text:
                     yield TextDelta(text)
                 if stopped:
@@ -164,7 +174,7 @@ class Generator:
         except SERVICE_FAILURES as error:
             raise target_unavailable(error) from error
         finally:
-            await tokens.aclose()
+            await steps.aclose()
             await target_session.close()
             if drafter_session is not None:
                 await drafter_session.close()

@@ -71,7 +71,7 @@ def setup(byte_level_pair):
     target.close()
 
 
-def run_request(generator, prompt, **fields):
+def run_request_deltas(generator, prompt, **fields):
     request = GenerationRequest(
         is_chat=False, model=None, prompt_ids=tuple(prompt), ignore_eos=True, **fields
     )
@@ -83,9 +83,14 @@ def run_request(generator, prompt, **fields):
                 finished = event
             else:
                 texts.append(event.text)
-        return "".join(texts), finished
+        return texts, finished
 
     return asyncio.run(collect())
+
+
+def run_request(generator, prompt, **fields):
+    texts, finished = run_request_deltas(generator, prompt, **fields)
+    return "".join(texts), finished
 
 
 def expected_stop(tokenizer, tokens, stop: str) -> tuple[str, int]:
@@ -157,3 +162,17 @@ def test_no_stop_returns_everything_up_to_max_tokens(setup):
     text, finished = run_request(generator, prompt, max_tokens=37)
     assert text == tokenizer.decode(tokens[:37], skip_special_tokens=True)
     assert (finished.finish_reason, finished.usage.completion_tokens) == ("length", 37)
+
+
+@pytest.mark.parametrize("stop_strings", [(), ("no such text",)])
+def test_a_steps_tokens_are_streamed_as_one_delta(setup, stop_strings):
+    """Blocks of 16 tokens: the prefill's token, two whole blocks, then 4 of the third (37
+    tokens) reach the client as at most one delta per step plus the held-back tail, not one
+    per token, with or without stop strings to watch for."""
+    generator, tokenizer, prompt, tokens = setup
+    deltas, finished = run_request_deltas(
+        generator, prompt, max_tokens=37, stop_strings=stop_strings
+    )
+    assert "".join(deltas) == tokenizer.decode(tokens[:37], skip_special_tokens=True)
+    assert finished.usage.completion_tokens == 37
+    assert 3 <= len(deltas) <= 5

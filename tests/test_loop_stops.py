@@ -125,3 +125,17 @@ def _accepted_history(gen):
 def test_zero_max_tokens_emits_nothing():
     tokens, gen, target = run(None, StopRules(0))
     assert tokens == [] and gen.finish_reason == "length" and target.blocks == []
+
+
+def test_steps_hand_on_each_steps_tokens_together():
+    generation = SpeculativeGeneration(
+        FakeTarget(), ScriptedDrafter(TRUTH, [15, 2], 1000), PROMPT, StopRules(40), 15, 1000
+    )
+
+    async def collect():
+        return [step async for step in generation.steps()]
+
+    # The prefill's token; 15 drafts accepted and the bonus; 2 and the bonus; 15 and the
+    # bonus; 2 and the bonus (39 tokens); then no room for drafts: the 40th alone.
+    expected = [TRUTH[:1], TRUTH[1:17], TRUTH[17:20], TRUTH[20:36], TRUTH[36:39], TRUTH[39:40]]
+    assert asyncio.run(collect()) == expected

@@ -10,6 +10,7 @@ With a DraftPacing, steps may carry no drafts while drafting does not pay (pacin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +34,8 @@ class StopRules:
 
 @dataclass
 class SpeculativeGeneration:
-    """One request's run; iterate `tokens()` for the emitted ids as they are committed."""
+    """One request's run; iterate `steps()` (or `tokens()`) for the emitted ids as they
+    are committed."""
 
     target: TargetSession
     drafter: DrafterSession | None
@@ -48,6 +50,16 @@ class SpeculativeGeneration:
     drafter_error: BaseException | None = None
 
     async def tokens(self) -> AsyncIterator[int]:
+        """The emitted ids one by one (`steps` gives them a step at a time)."""
+        async with contextlib.aclosing(self.steps()) as steps:
+            async for step_ids in steps:
+                for token in step_ids:
+                    yield token
+
+    async def steps(self) -> AsyncIterator[list[int]]:
+        """The emitted ids a step at a time: the prefill's token, then each verify's
+        tokens up to the first stop. A consumer that handles a step's tokens together
+        (one detokenization, one streamed chunk) does per step what it would per token."""
         if self.stops.max_new_tokens < 1:
             self.finish_reason = FINISH_LENGTH
             return
@@ -55,15 +67,11 @@ class SpeculativeGeneration:
         num_emitted = 0
         committed = len(self.prompt_ids)
         while True:
-            for token in step.token_ids:
-                yield token
-                num_emitted += 1
-                if token in self.stops.stop_token_ids:
-                    self.finish_reason = FINISH_STOP
-                    return
-                if num_emitted >= self.stops.max_new_tokens:
-                    self.finish_reason = FINISH_LENGTH
-                    return
+            emitted, self.finish_reason = self._emitted(step.token_ids, num_emitted)
+            num_emitted += len(emitted)
+            yield emitted
+            if self.finish_reason is not None:
+                return
             anchor = step.token_ids[-1]
             room = self.max_context_tokens - committed - 1
             if room < 0:
@@ -86,6 +94,16 @@ class SpeculativeGeneration:
                 seconds = self.clock() - began if is_timed else None
                 self.pacing.record(len(drafts), step.num_accepted, seconds)
             committed += step.num_accepted + 1
+
+    def _emitted(self, token_ids: list[int], num_emitted: int) -> tuple[list[int], str | None]:
+        """A step's tokens up to the first stop (a stop token, which is emitted, or the
+        max_new_tokens-th token), and why the request ends there (None: it goes on)."""
+        for index, token in enumerate(token_ids):
+            if token in self.stops.stop_token_ids:
+                return list(token_ids[: index + 1]), FINISH_STOP
+            if num_emitted + index + 1 >= self.stops.max_new_tokens:
+                return list(token_ids[: index + 1]), FINISH_LENGTH
+        return list(token_ids), None
 
     def _emitted_drafts(self, step) -> int:
         """Accepted drafts that will be emitted: the target checks a whole block, so drafts
