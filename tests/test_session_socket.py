@@ -389,41 +389,6 @@ def test_a_spinning_reader_gets_frames_that_come_during_and_after_its_spin(spin_
     assert asyncio.run(run()) == ((REQUEST, verify(1, 2).SerializeToString()), None)
 
 
-def test_readers_waiting_together_keep_the_loop_polling_with_one_callback():
-    """While readers wait within their spin the loop never sleeps in its selector, and each
-    of its iterations runs one polling callback however many readers wait (a polling task
-    per reader ran 8 an iteration); once the spin has passed it sleeps again, and every
-    reader still gets its frame."""
-
-    async def run():
-        loop = asyncio.get_running_loop()
-        selects = []  # (timeout, callbacks ready) at each select of the loop
-        select = loop._selector.select
-        loop._selector.select = lambda timeout=None: (
-            selects.append((timeout, len(loop._ready))) or select(timeout)
-        )
-        readers = [asyncio.StreamReader() for _ in range(8)]
-        waiting = [asyncio.ensure_future(read_frame(r, 0.3)) for r in readers]
-        await asyncio.sleep(0.01)  # every reader is waiting now
-        selects.clear()
-        await asyncio.sleep(0.05)
-        within_spin = list(selects)
-        await asyncio.sleep(0.4)
-        selects.clear()
-        await asyncio.sleep(0.1)
-        after_spin = list(selects)
-        for index, reader in enumerate(readers):
-            reader.feed_data(frame(REQUEST, bytes([index])))
-        return within_spin, after_spin, await asyncio.gather(*waiting)
-
-    within_spin, after_spin, frames = asyncio.run(run())
-    assert len(within_spin) > 20 and all(timeout == 0 for timeout, _ in within_spin)
-    ready = sorted(ready for _, ready in within_spin)  # (2: the test's own wake-up)
-    assert ready[len(ready) // 2] == 1 and ready[-1] <= 2
-    assert 0 < len(after_spin) < 5 and after_spin[0][0] > 0.05  # asleep until the test wakes
-    assert frames == [(REQUEST, bytes([index])) for index in range(8)]
-
-
 def test_spinning_is_for_sessions_on_a_gpu_unless_set():
     calls = SessionCalls(FakeGrpc(), Response)
     calls.use_socket_if_local("", service_spin_us=20_000)  # the client follows the service

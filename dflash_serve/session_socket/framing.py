@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from dflash_serve.grpc_support.server import MAX_MESSAGE_BYTES
-from dflash_serve.session_socket.polling import kept_polling
 
 DEADLINE = b"D"
 REQUEST = b"Q"
@@ -36,14 +34,13 @@ async def read_frame(
 ) -> tuple[bytes, bytes] | None:
     """The next (kind, payload); None at a clean end of the stream (between frames).
 
-    `spin_s`: while waiting for the frame, keep the event loop polling for up to this long
-    instead of sleeping in it (polling.py). Raises FrameError for a bad header and
+    `spin_s`: first poll the event loop for up to this long instead of sleeping in it (see
+    `spin_until_readable`). Raises FrameError for a bad header and
     asyncio.IncompleteReadError when the stream ends inside a frame."""
-    # StreamReader has no public count of buffered bytes.
-    is_waiting = spin_s > 0 and len(reader._buffer) < HEADER_BYTES and not reader.at_eof()
+    if spin_s > 0:
+        await spin_until_readable(reader, spin_s)
     try:
-        with kept_polling(spin_s) if is_waiting else contextlib.nullcontext():
-            header = await reader.readexactly(HEADER_BYTES)
+        header = await reader.readexactly(HEADER_BYTES)
     except asyncio.IncompleteReadError as error:
         if not error.partial:
             return None
@@ -54,3 +51,14 @@ async def read_frame(
     if size > MAX_MESSAGE_BYTES:
         raise FrameError(f"a {size}-byte frame exceeds {MAX_MESSAGE_BYTES} bytes")
     return kind, await reader.readexactly(size) if size else b""
+
+
+async def spin_until_readable(reader: asyncio.StreamReader, spin_s: float) -> None:
+    """Yield to the event loop (which then polls its sockets without blocking) until a frame
+    header has arrived, the stream ended, or `spin_s` passed. A process asleep in the loop
+    wakes slowly after the milliseconds a step leaves it idle; one that polls does not."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + spin_s
+    # StreamReader has no public count of buffered bytes.
+    while len(reader._buffer) < HEADER_BYTES and not reader.at_eof() and loop.time() < give_up:
+        await asyncio.sleep(0)
