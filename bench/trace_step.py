@@ -16,6 +16,10 @@ to a JSON file with the machine, date and command.
 per wave (from one verify forward's end to the next) when each event first and last
 happened: how long each process takes to hand on all N requests one after another.
 
+--profile-gateway N: also profile this process (the gateway's loop and clients) with cProfile
+over the measured requests and record its N functions of most own time, per step. The
+profiler slows this process, so such a run's timeline is not comparable with one without.
+
 --smoke: tiny random models (runs on a CPU); otherwise the 4B-shaped random pair on the GPU.
 """
 
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import itertools
 import json
+import pstats
 import shlex
 import statistics
 import sys
@@ -138,7 +144,27 @@ def wave_timeline(events: list[tuple[int, str]], streams: int) -> dict[str, list
     return timeline
 
 
-async def run_requests(target_address, drafter_address, args, vocab) -> int:
+def profile_per_step(profiler: cProfile.Profile, steps: int, top: int) -> list[dict]:
+    """The `top` functions of most own time in `profiler`, per speculative step (a request's
+    draft + verify): calls, own and cumulative microseconds."""
+    rows = []
+    for (path, line, name), (_, calls, own_s, cumulative_s, _) in pstats.Stats(
+        profiler
+    ).stats.items():
+        where = f"{Path(path).name}:{line}({name})" if line else name
+        rows.append(
+            {
+                "function": where,
+                "calls_per_step": round(calls / steps, 2),
+                "own_us_per_step": round(own_s / steps * 1e6, 2),
+                "cumulative_us_per_step": round(cumulative_s / steps * 1e6, 2),
+            }
+        )
+    rows.sort(key=lambda row: row["own_us_per_step"], reverse=True)
+    return rows[:top]
+
+
+async def run_requests(target_address, drafter_address, args, vocab, profiler=None) -> int:
     from gateway.drafter_client import DrafterClient
     from gateway.target_client import TargetClient
 
@@ -154,6 +180,8 @@ async def run_requests(target_address, drafter_address, args, vocab) -> int:
     oracle = await measure_e2e.run_request(target, None, prompt, args.new_tokens)
     began, steps = time.perf_counter(), 0
     while time.perf_counter() - began < args.seconds:
+        if profiler is not None:
+            profiler.enable()
         results = await asyncio.gather(
             *(
                 measure_e2e.run_request(
@@ -163,6 +191,8 @@ async def run_requests(target_address, drafter_address, args, vocab) -> int:
                 for _ in range(args.streams)
             )
         )  # fmt: skip
+        if profiler is not None:
+            profiler.disable()
         steps += sum(len(result.times.verify) for result in results)
     await target.close()
     await drafter.close()
@@ -190,6 +220,13 @@ def main() -> None:
         default="auto",
         help="auto: the services' local session sockets; grpc: gRPC streams",
     )
+    parser.add_argument(
+        "--profile-gateway",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile this process (the gateway's side) and record its N costliest functions",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default: results/)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -212,7 +249,8 @@ def main() -> None:
     )
     try:
         vocab = target_config["vocab_size"]
-        steps = asyncio.run(run_requests(target.address, drafter.address, args, vocab))
+        profiler = cProfile.Profile() if args.profile_gateway else None
+        steps = asyncio.run(run_requests(target.address, drafter.address, args, vocab, profiler))
     finally:
         target.stop()
         drafter.stop()
@@ -232,9 +270,16 @@ def main() -> None:
         unit: len(next(iter(segments.values()), [])),
         "median_us": medians,
     }
+    if profiler is not None:
+        results["gateway_profiled"] = True  # (slowed by the profiler: compare with care)
+        results["gateway_profile_per_step"] = profile_per_step(
+            profiler, steps, args.profile_gateway
+        )
     print(f"sessions on (target / drafter): {args.sessions_on}; {unit}: {results[unit]}")
     for name, value in medians.items():
         print(f"{value:9.1f} us  {name}")
+    for row in results.get("gateway_profile_per_step", []):
+        print(f"{row['own_us_per_step']:9.1f} us own per step  {row['function']}")
     out = args.out
     if out is None:
         machine = results["gpu"].replace(" ", "-").lower()

@@ -3,11 +3,18 @@ the real services (bench.trace_step --smoke, CPU)."""
 
 from __future__ import annotations
 
+import cProfile
 import json
 import subprocess
 import sys
 
-from bench.trace_step import ENGINE_SPANS, STEP_EVENTS, step_segments, wave_timeline
+from bench.trace_step import (
+    ENGINE_SPANS,
+    STEP_EVENTS,
+    profile_per_step,
+    step_segments,
+    wave_timeline,
+)
 from dflash_serve import step_trace
 
 
@@ -90,7 +97,7 @@ def test_smoke_run_with_concurrent_streams_gives_a_wave_timeline(tmp_path):
     out = tmp_path / "trace.json"
     command = [sys.executable, "-m", "bench.trace_step", "--smoke", "--seconds", "2"]
     completed = subprocess.run(
-        [*command, "--streams", "2", "--out", str(out)],
+        [*command, "--streams", "2", "--profile-gateway", "5", "--out", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
@@ -101,3 +108,35 @@ def test_smoke_run_with_concurrent_streams_gives_a_wave_timeline(tmp_path):
     assert medians["target-engine.thread_end first"] == 0.0
     for name in STEP_EVENTS:
         assert medians[f"{name} first"] <= medians[f"{name} last"]
+    profile = results["gateway_profile_per_step"]
+    assert results["gateway_profiled"] and len(profile) == 5
+    assert all(row["calls_per_step"] > 0 and row["own_us_per_step"] > 0 for row in profile)
+
+
+def test_a_gateway_profile_is_reported_per_step_costliest_first():
+    def busy():
+        total = 0
+        for number in range(20_000):
+            total += number
+        return total
+
+    def idle():
+        return None
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(10):
+        busy(), idle(), idle()
+    profiler.disable()
+    rows = profile_per_step(profiler, steps=10, top=50)
+    by_name = {
+        name: row
+        for row in rows
+        for name in ("busy", "idle")
+        if row["function"].endswith(f"({name})")
+    }
+    assert by_name["busy"]["calls_per_step"] == 1 and by_name["idle"]["calls_per_step"] == 2
+    assert rows[0] is by_name["busy"]
+    assert by_name["busy"]["own_us_per_step"] > 100 * by_name["idle"]["own_us_per_step"]
+    assert by_name["busy"]["cumulative_us_per_step"] >= by_name["busy"]["own_us_per_step"]
+    assert profile_per_step(profiler, steps=10, top=1) == rows[:1]
