@@ -67,12 +67,14 @@ def test_drafter_killed_mid_stream_gives_identical_output(fresh_stack):
     client = client_for(gateway)
     expected = client.chat.completions.create(model="dflash", messages=MESSAGES, **LONG)
     stream = client.chat.completions.create(model="dflash", messages=MESSAGES, stream=True, **LONG)
-    pieces = []
+    pieces, num_after_kill = [], 0
     for index, chunk in enumerate(stream):
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")
+        num_after_kill += index > 5
         if index == 5:
             drafter.process.send_signal(signal.SIGKILL)
+    assert num_after_kill >= 10  # (chunks are steps: the kill came well before the end)
     assert "".join(pieces) == expected.choices[0].message.content
     assert http("GET", gateway.base_url + "/health").status == 503
     again = client.chat.completions.create(model="dflash", messages=MESSAGES, **LONG)

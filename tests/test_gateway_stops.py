@@ -13,9 +13,11 @@ from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
 from dflash_serve.speculative.types import SamplingParams
 from gateway.config import GatewayConfig
+from gateway.detokenizer import IncrementalDetokenizer
 from gateway.generation import Finished, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import GenerationRequest
+from gateway.stop_strings import StopStringMatcher
 from target_service.engine import TargetEngine
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
@@ -164,7 +166,7 @@ def test_no_stop_returns_everything_up_to_max_tokens(setup):
     assert (finished.finish_reason, finished.usage.completion_tokens) == ("length", 37)
 
 
-@pytest.mark.parametrize("stop_strings", [(), ("no such text",)])
+@pytest.mark.parametrize("stop_strings", [(), ("no such text",), ("the ", "a ")])
 def test_a_steps_tokens_are_streamed_as_one_delta(setup, stop_strings):
     """Blocks of 16 tokens: the prefill's token, two whole blocks, then 4 of the third (37
     tokens) reach the client as at most one delta per step plus the held-back tail, not one
@@ -173,6 +175,12 @@ def test_a_steps_tokens_are_streamed_as_one_delta(setup, stop_strings):
     deltas, finished = run_request_deltas(
         generator, prompt, max_tokens=37, stop_strings=stop_strings
     )
+    # What a step's text is, whatever the gateway pushes token by token within it: the text
+    # so far less what may still turn out to be a stop string or a split character.
+    detokenizer, matcher = IncrementalDetokenizer(tokenizer), StopStringMatcher(stop_strings)
+    steps = [tokens[0:1], tokens[1:17], tokens[17:33], tokens[33:37]]
+    expected = [matcher.push(detokenizer.extend(step))[0] for step in steps]
+    expected.append(matcher.push(detokenizer.flush())[0] + matcher.flush())
+    assert deltas == [delta for delta in expected if delta]
     assert "".join(deltas) == tokenizer.decode(tokens[:37], skip_special_tokens=True)
     assert finished.usage.completion_tokens == 37
-    assert 3 <= len(deltas) <= 5

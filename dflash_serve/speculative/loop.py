@@ -67,10 +67,11 @@ class SpeculativeGeneration:
         num_emitted = 0
         committed = len(self.prompt_ids)
         while True:
-            emitted, self.finish_reason = self._emitted(step.token_ids, num_emitted)
+            emitted, finish_reason = self._emitted(step.token_ids, num_emitted)
             num_emitted += len(emitted)
             yield emitted
-            if self.finish_reason is not None:
+            if finish_reason is not None:  # (set once the consumer has taken the last step)
+                self.finish_reason = finish_reason
                 return
             anchor = step.token_ids[-1]
             room = self.max_context_tokens - committed - 1
