@@ -11,6 +11,7 @@ to a JSON file with the machine, date and command.
 
     python -m bench.trace_step [--smoke] [--seconds 20] [--tau 6] [--layout bf16]
                                [--session-transport auto|grpc] [--streams 1]
+                               [--profile-gateway N] [--profile-services N]
 
 --streams N (above 1): N identical requests at once, in lockstep; instead of per-step gaps,
 per wave (from one verify forward's end to the next) when each event first and last
@@ -19,6 +20,8 @@ happened: how long each process takes to hand on all N requests one after anothe
 --profile-gateway N: also profile this process (the gateway's loop and clients) with cProfile
 over the measured requests and record its N functions of most own time, per step. The
 profiler slows this process, so such a run's timeline is not comparable with one without.
+--profile-services N: the same in the target and drafter services (`dflash_serve.loop_profile`:
+signalled to start once the oracle request is done and to stop after the last measured one).
 
 --smoke: tiny random models (runs on a CPU); otherwise the 4B-shaped random pair on the GPU.
 """
@@ -30,8 +33,10 @@ import asyncio
 import cProfile
 import itertools
 import json
+import os
 import pstats
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -43,7 +48,7 @@ import torch
 from bench import measure_e2e
 from bench.suite import SMOKE_DRAFTER, SMOKE_TARGET
 from bench.timing import run_facts
-from dflash_serve import step_trace
+from dflash_serve import loop_profile, step_trace
 from dflash_serve.checkpoint.synthetic import (
     DFLASH_4B,
     LAYOUTS,
@@ -144,12 +149,12 @@ def wave_timeline(events: list[tuple[int, str]], streams: int) -> dict[str, list
     return timeline
 
 
-def profile_per_step(profiler: cProfile.Profile, steps: int, top: int) -> list[dict]:
-    """The `top` functions of most own time in `profiler`, per speculative step (a request's
-    draft + verify): calls, own and cumulative microseconds."""
+def profile_per_step(profile: cProfile.Profile | str, steps: int, top: int) -> list[dict]:
+    """The `top` functions of most own time in `profile` (a profiler or a stats file), per
+    speculative step (a request's draft + verify): calls, own and cumulative microseconds."""
     rows = []
     for (path, line, name), (_, calls, own_s, cumulative_s, _) in pstats.Stats(
-        profiler
+        profile
     ).stats.items():
         where = f"{Path(path).name}:{line}({name})" if line else name
         rows.append(
@@ -164,7 +169,12 @@ def profile_per_step(profiler: cProfile.Profile, steps: int, top: int) -> list[d
     return rows[:top]
 
 
-async def run_requests(target_address, drafter_address, args, vocab, profiler=None) -> int:
+def signal_services(services, signal_number: int) -> None:
+    for service in services:
+        os.kill(service.process.pid, signal_number)
+
+
+async def run_requests(target_address, drafter_address, args, vocab, profiler, services) -> int:
     from gateway.drafter_client import DrafterClient
     from gateway.target_client import TargetClient
 
@@ -178,6 +188,9 @@ async def run_requests(target_address, drafter_address, args, vocab, profiler=No
     shared = await target.feature_buffer() if transport == "cuda_ipc" else None
     prompt = [(i * 7919) % vocab for i in range(64)]
     oracle = await measure_e2e.run_request(target, None, prompt, args.new_tokens)
+    if services:
+        signal_services(services, signal.SIGUSR1)
+        await asyncio.sleep(0.2)  # (handled on the services' loops, between callbacks)
     began, steps = time.perf_counter(), 0
     while time.perf_counter() - began < args.seconds:
         if profiler is not None:
@@ -194,9 +207,20 @@ async def run_requests(target_address, drafter_address, args, vocab, profiler=No
         if profiler is not None:
             profiler.disable()
         steps += sum(len(result.times.verify) for result in results)
+    if services:
+        signal_services(services, signal.SIGUSR2)
     await target.close()
     await drafter.close()
     return steps
+
+
+def wait_for_file(path: str, timeout_s: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no profile at {path} after {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return path
 
 
 def main() -> None:
@@ -227,6 +251,13 @@ def main() -> None:
         metavar="N",
         help="profile this process (the gateway's side) and record its N costliest functions",
     )
+    parser.add_argument(
+        "--profile-services",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the target and drafter services too and record their N costliest functions",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default: results/)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -239,6 +270,8 @@ def main() -> None:
     drafter_dir = write_drafter(workdir / "d", drafter_config, device=device)
     prefix = str(workdir / "trace")
     step_trace.enable(prefix)
+    if args.profile_services:
+        os.environ[loop_profile.PROFILE_ENV] = str(workdir / "profile")  # (the services inherit)
     sessions = str(max(4, args.streams))
     common = ["--device", device, "--max-sessions", sessions, "--max-context-tokens", "2048"]
     target = start_service(
@@ -250,7 +283,16 @@ def main() -> None:
     try:
         vocab = target_config["vocab_size"]
         profiler = cProfile.Profile() if args.profile_gateway else None
-        steps = asyncio.run(run_requests(target.address, drafter.address, args, vocab, profiler))
+        services = [target, drafter] if args.profile_services else []
+        steps = asyncio.run(
+            run_requests(target.address, drafter.address, args, vocab, profiler, services)
+        )
+        service_stats = {
+            name: wait_for_file(
+                loop_profile.stats_path(str(workdir / "profile"), service.process.pid)
+            )
+            for name, service in zip(("target", "drafter"), services, strict=False)
+        }
     finally:
         target.stop()
         drafter.stop()
@@ -275,11 +317,14 @@ def main() -> None:
         results["gateway_profile_per_step"] = profile_per_step(
             profiler, steps, args.profile_gateway
         )
+    for name, stats in service_stats.items():
+        results[f"{name}_profile_per_step"] = profile_per_step(stats, steps, args.profile_services)
     print(f"sessions on (target / drafter): {args.sessions_on}; {unit}: {results[unit]}")
     for name, value in medians.items():
         print(f"{value:9.1f} us  {name}")
-    for row in results.get("gateway_profile_per_step", []):
-        print(f"{row['own_us_per_step']:9.1f} us own per step  {row['function']}")
+    for process in ("gateway", "target", "drafter"):
+        for row in results.get(f"{process}_profile_per_step", []):
+            print(f"{row['own_us_per_step']:9.1f} us own per step  {process}  {row['function']}")
     out = args.out
     if out is None:
         machine = results["gpu"].replace(" ", "-").lower()

@@ -97,7 +97,8 @@ def test_smoke_run_with_concurrent_streams_gives_a_wave_timeline(tmp_path):
     out = tmp_path / "trace.json"
     command = [sys.executable, "-m", "bench.trace_step", "--smoke", "--seconds", "2"]
     completed = subprocess.run(
-        [*command, "--streams", "2", "--profile-gateway", "5", "--out", str(out)],
+        [*command, "--streams", "2", "--profile-gateway", "5", "--profile-services", "4",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
@@ -111,6 +112,9 @@ def test_smoke_run_with_concurrent_streams_gives_a_wave_timeline(tmp_path):
     profile = results["gateway_profile_per_step"]
     assert results["gateway_profiled"] and len(profile) == 5
     assert all(row["calls_per_step"] > 0 and row["own_us_per_step"] > 0 for row in profile)
+    for service in ("target", "drafter"):
+        rows = results[f"{service}_profile_per_step"]
+        assert len(rows) == 4 and all(row["calls_per_step"] > 0 for row in rows)
 
 
 def test_a_gateway_profile_is_reported_per_step_costliest_first():

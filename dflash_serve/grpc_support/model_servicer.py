@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from dflash_serve import loop_profile
 from dflash_serve.errors import DflashError, NotReadyError
 from dflash_serve.grpc_support.errors import abort_with
 from dflash_serve.grpc_support.server import GrpcServer, close_when_done
@@ -103,6 +104,7 @@ async def serve_model(
         servicer.session_spin_us = round(spin_s * 1e6)
         server.on_drain(socket_server.drain)
     server.stop_on_signals(settings.grace_period_s)
+    loop_profile.install_signal_toggle()
     logger.info("%s service listening on %s:%d; loading %s", kind, settings.host, port, model_name)
     if socket_server is not None:
         logger.info("%s sessions also on the local socket %s", kind, socket_server.path)
