@@ -74,9 +74,10 @@ def start_service(
             if match and not found:
                 found.append(int(match.group(1)))
                 port_found.set()
+        port_found.set()  # its output ended: it exited (no need to wait out the timeout)
 
     threading.Thread(target=pump, daemon=True).start()
-    if not port_found.wait(timeout_s):
+    if not port_found.wait(timeout_s) or not found:
         process.kill()
         raise RuntimeError("service did not start:\n" + "".join(log))
     service = ServiceProcess(process, found[0], log)

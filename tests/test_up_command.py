@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
+
+import pytest
 
 from launcher.service_processes import GATEWAY_LISTENING, http, start_service, wait_healthy
 
@@ -39,3 +42,10 @@ def test_up_serves_the_trained_embedded_pair():
         assert models["data"][0]["id"] == "dflash"
     finally:
         up.stop()
+
+
+def test_a_service_that_exits_before_listening_is_reported_at_once():
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)did not start.*invalid choice"):
+        start_service(["no-such-command"], timeout_s=600)
+    assert time.monotonic() - began < 120  # its exit, not the 600 s timeout, ended the wait
