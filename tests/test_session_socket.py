@@ -12,12 +12,13 @@ import grpc
 import pytest
 
 from dflash_protos import target_pb2
-from dflash_protos.session_socket_pb2 import SessionError
+from dflash_protos.session_socket_pb2 import SessionDeadline, SessionError
 from dflash_serve.errors import CapacityError, ConfigError
 from dflash_serve.grpc_support.server import MAX_MESSAGE_BYTES
 from dflash_serve.service_settings import ServiceSettings
 from dflash_serve.session_socket.call import SessionSocketCall
 from dflash_serve.session_socket.framing import (
+    DEADLINE,
     ERROR,
     REQUEST,
     RESPONSE,
@@ -252,22 +253,58 @@ def test_a_session_still_open_after_the_grace_period_is_ended_and_closed(tmp_pat
 
 def test_the_service_ends_a_session_at_its_deadline(tmp_path):
     """The client tells the service its deadline; the service frees the session when it
-    passes even if the client never reads again (as gRPC's deadline does)."""
+    passes even if the client never reads again and keeps its connection open (as gRPC's
+    deadline does). A raw connection, since SessionSocketCall ends its own at the deadline."""
 
     async def run():
         sessions = EchoSessions()
         server = await serving(tmp_path, sessions)
-        call = await SessionSocketCall.connect(server.path, Response, timeout_s=0.3)
-        await call.write(verify(3))
-        await call.read()
+        reader, writer = await asyncio.open_unix_connection(server.path)
+        told = SessionDeadline(timeout_us=300_000).SerializeToString()
+        writer.write(frame(DEADLINE, told) + frame(REQUEST, verify(3).SerializeToString()))
+        assert (await read_frame(reader))[0] == RESPONSE
         await asyncio.sleep(0.6)
         closed_by_service = sessions.closed.is_set()
-        with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await call.read()
+        kind, payload = await read_frame(reader)
+        writer.close()
         await server.close()
-        return closed_by_service, raised.value.code()
+        return closed_by_service, kind, SessionError.FromString(payload).code
 
-    assert asyncio.run(run()) == (True, grpc.StatusCode.DEADLINE_EXCEEDED)
+    code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert asyncio.run(run()) == (True, ERROR, code)
+
+
+def test_the_client_ends_a_session_at_its_deadline_without_a_timer_per_message(tmp_path):
+    """One timer for the session's deadline: reads and writes arm none of their own, and a
+    read waiting when the deadline passes, or a write after it, fails DEADLINE_EXCEEDED."""
+
+    async def run():
+        sessions = EchoSessions()
+        server = await serving(tmp_path, sessions)
+        loop = asyncio.get_running_loop()
+        timers = []
+        call_at = loop.call_at
+        loop.call_at = lambda *args, **kwargs: timers.append(args) or call_at(*args, **kwargs)
+        call = await SessionSocketCall.connect(server.path, Response, timeout_s=0.3)
+        for step in range(20):
+            if step == 1:  # (the service, in this loop too, armed its deadline at step 0)
+                armed_before = len(timers)
+            await call.write(verify(step))
+            assert list((await call.read()).step.token_ids) == [step]
+        armed_by_messages = len(timers) - armed_before
+        loop.call_at = call_at
+        codes = []
+        for attempt in (call.read, lambda: call.write(verify(1))):
+            try:
+                await attempt()
+            except grpc.aio.AioRpcError as error:
+                codes.append(error.code())
+        await server.close()
+        return armed_by_messages, codes
+
+    armed_by_messages, codes = asyncio.run(run())
+    assert armed_by_messages == 0
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2
 
 
 def test_what_lies_at_the_socket_path(tmp_path):

@@ -39,7 +39,14 @@ class SessionSocketCall:
         self._spin_s = spin_s
         self._writer = writer
         self._response_type = response_type
-        self._deadline = deadline  # the event loop's clock; None: no deadline
+        # One timer for the whole session, not one per read and write (each `timeout_at`
+        # scheduled and cancelled a timer: ~4.5 us a message on the development machine).
+        self._deadline_passed = False
+        self._deadline_timer = (
+            None
+            if deadline is None
+            else asyncio.get_running_loop().call_at(deadline, self._pass_deadline)
+        )
 
     @classmethod
     async def connect(
@@ -59,32 +66,41 @@ class SessionSocketCall:
             writer.write(frame(DEADLINE, told.SerializeToString()))
         return call
 
+    def _pass_deadline(self) -> None:
+        """The session's deadline: end the connection, so that a read or write waiting on it
+        ends now; it and every later one report DEADLINE_EXCEEDED."""
+        self._deadline_passed = True
+        self._writer.close()
+
+    def _broke(self, status: grpc.StatusCode, detail: str) -> grpc.aio.AioRpcError:
+        """End the session; its error (DEADLINE_EXCEEDED if the deadline ended it)."""
+        self.cancel()
+        if self._deadline_passed:
+            return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return rpc_error(status, detail)
+
     async def write(self, message) -> None:
+        if self._deadline_passed:
+            raise self._broke(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         try:
             self._writer.write(frame(REQUEST, message.SerializeToString()))
-            async with asyncio.timeout_at(self._deadline):
-                await self._writer.drain()
+            await self._writer.drain()
         except FrameError as error:
             raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from error
-        except TimeoutError as error:
-            self.cancel()
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from error
         except ConnectionError as error:
-            self.cancel()
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"session socket: {error}") from error
+            raise self._broke(grpc.StatusCode.UNAVAILABLE, f"session socket: {error}") from error
 
     async def read(self):
+        if self._deadline_passed:
+            raise self._broke(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         try:
-            async with asyncio.timeout_at(self._deadline):
-                received = await read_frame(self._reader, self._spin_s)
-        except TimeoutError as error:
-            self.cancel()
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from error
+            received = await read_frame(self._reader, self._spin_s)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError) as error:
-            self.cancel()
             detail = f"the session socket broke: {type(error).__name__}: {error}"
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, detail) from error
+            raise self._broke(grpc.StatusCode.UNAVAILABLE, detail) from error
         if received is None:
+            if self._deadline_passed:  # (its end of the connection, between two frames)
+                raise self._broke(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             return grpc.aio.EOF
         kind, payload = received
         if kind == ERROR:
@@ -99,4 +115,6 @@ class SessionSocketCall:
 
     def cancel(self) -> None:
         """End the session: the service closes it when it sees the connection end."""
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
         self._writer.close()
