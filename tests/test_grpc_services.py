@@ -14,7 +14,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from dflash_protos import target_pb2, target_pb2_grpc
+from dflash_protos.session_socket_pb2 import SessionDeadline, SessionError
 from dflash_serve.session_socket.call import SessionSocketCall
+from dflash_serve.session_socket.framing import (
+    DEADLINE,
+    ERROR,
+    REQUEST,
+    RESPONSE,
+    frame,
+    read_frame,
+)
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.types import SamplingParams
 from gateway.drafter_client import DrafterClient
@@ -223,18 +232,30 @@ def test_cancelled_stream_and_deadline_free_the_slot(services, transport):
             assert await active_sessions(stub) == 1
             call.cancel()
             assert await wait_for_active(stub, 0) == 0
-            call = await open_call(transport, stub, info, timeout_s=0.5)
-            await call.write(open_message())
-            await call.read()
+            if transport == "grpc":
+                call = await open_call(transport, stub, info, timeout_s=0.5)
+                await call.write(open_message())
+                await call.read()
+            else:  # a raw connection: SessionSocketCall would end it itself at the deadline
+                reader, writer = await asyncio.open_unix_connection(info.session_socket)
+                told = SessionDeadline(timeout_us=500_000).SerializeToString()
+                writer.write(
+                    frame(DEADLINE, told) + frame(REQUEST, open_message().SerializeToString())
+                )
+                assert (await read_frame(reader))[0] == RESPONSE
             await asyncio.sleep(1.0)
             # The service freed the slot at the deadline, the client doing nothing meanwhile.
             assert await active_sessions(stub) == 0
             if transport == "grpc":
                 assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             else:
-                with pytest.raises(grpc.aio.AioRpcError) as raised:
-                    await call.read()
-                assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                kind, payload = await asyncio.wait_for(read_frame(reader), 5)
+                writer.close()
+                assert kind == ERROR
+                assert (
+                    SessionError.FromString(payload).code
+                    == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+                )
 
     asyncio.run(run())
 

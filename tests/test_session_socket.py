@@ -5,8 +5,10 @@ generator, the client call's gRPC-shaped errors, and how the gateway picks a tra
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
+import weakref
 
 import grpc
 import pytest
@@ -265,7 +267,7 @@ def test_the_service_ends_a_session_at_its_deadline(tmp_path):
         assert (await read_frame(reader))[0] == RESPONSE
         await asyncio.sleep(0.6)
         closed_by_service = sessions.closed.is_set()
-        kind, payload = await read_frame(reader)
+        kind, payload = await asyncio.wait_for(read_frame(reader), 5)  # (none: a failure)
         writer.close()
         await server.close()
         return closed_by_service, kind, SessionError.FromString(payload).code
@@ -305,6 +307,54 @@ def test_the_client_ends_a_session_at_its_deadline_without_a_timer_per_message(t
     armed_by_messages, codes = asyncio.run(run())
     assert armed_by_messages == 0
     assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2
+
+
+def test_the_deadline_ends_calls_on_a_service_that_stopped_reading(tmp_path):
+    """A service that stopped reading (stopped, or stuck in a GPU wait): a write blocked on
+    the full socket, and a read while our own bytes are still unsent, both end at the
+    deadline with DEADLINE_EXCEEDED (a plain close would wait for the flush forever)."""
+
+    async def run(waiting: str):
+        stalled = asyncio.Event()
+
+        async def never_reads(reader, writer):
+            await stalled.wait()
+
+        path = str(tmp_path / f"{waiting}.sock")
+        server = await asyncio.start_unix_server(never_reads, path=path)
+        call = await SessionSocketCall.connect(path, Response, timeout_s=0.3)
+        large = verify(*range(1 << 16))
+
+        async def until_the_deadline():
+            transport = call._writer.transport
+            while True:
+                if waiting == "read" and transport.get_write_buffer_size() > 0:
+                    return await call.read()
+                await call.write(large)
+
+        try:
+            await asyncio.wait_for(until_the_deadline(), 10)
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        finally:
+            stalled.set()
+            server.close()
+
+    for waiting in ("write", "read"):
+        assert asyncio.run(run(waiting)) == grpc.StatusCode.DEADLINE_EXCEEDED, waiting
+
+
+def test_a_call_dropped_without_cancel_is_collected_before_its_deadline(tmp_path):
+    async def run():
+        server = await serving(tmp_path, EchoSessions())
+        call = await SessionSocketCall.connect(server.path, Response, timeout_s=600)
+        dropped = weakref.ref(call)
+        del call
+        gc.collect()
+        await server.close()
+        return dropped() is None
+
+    assert asyncio.run(run())
 
 
 def test_what_lies_at_the_socket_path(tmp_path):
