@@ -270,8 +270,9 @@ def main() -> None:
     drafter_dir = write_drafter(workdir / "d", drafter_config, device=device)
     prefix = str(workdir / "trace")
     step_trace.enable(prefix)
+    profile_prefix = str(workdir / "profile")
     if args.profile_services:
-        os.environ[loop_profile.PROFILE_ENV] = str(workdir / "profile")  # (the services inherit)
+        os.environ[loop_profile.PROFILE_ENV] = profile_prefix  # (the services inherit it)
     sessions = str(max(4, args.streams))
     common = ["--device", device, "--max-sessions", sessions, "--max-context-tokens", "2048"]
     target = start_service(
@@ -288,9 +289,7 @@ def main() -> None:
             run_requests(target.address, drafter.address, args, vocab, profiler, services)
         )
         service_stats = {
-            name: wait_for_file(
-                loop_profile.stats_path(str(workdir / "profile"), service.process.pid)
-            )
+            name: wait_for_file(loop_profile.stats_path(profile_prefix, service.process.pid))
             for name, service in zip(("target", "drafter"), services, strict=False)
         }
     finally:

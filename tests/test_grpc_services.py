@@ -14,16 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from dflash_protos import target_pb2, target_pb2_grpc
-from dflash_protos.session_socket_pb2 import SessionDeadline, SessionError
 from dflash_serve.session_socket.call import SessionSocketCall
-from dflash_serve.session_socket.framing import (
-    DEADLINE,
-    ERROR,
-    REQUEST,
-    RESPONSE,
-    frame,
-    read_frame,
-)
+from dflash_serve.session_socket.framing import ERROR
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.types import SamplingParams
 from gateway.drafter_client import DrafterClient
@@ -33,6 +25,7 @@ from target_service.engine import TargetEngine
 from target_service.model.loader import load_target_model
 from target_service.model.state import StateShape
 from target_service.session import InProcessTarget
+from tests.raw_session import open_with_deadline, read_last_frame
 from tests.speculative_harness import generate
 
 MAX_SESSIONS = 16
@@ -237,25 +230,18 @@ def test_cancelled_stream_and_deadline_free_the_slot(services, transport):
                 await call.write(open_message())
                 await call.read()
             else:  # a raw connection: SessionSocketCall would end it itself at the deadline
-                reader, writer = await asyncio.open_unix_connection(info.session_socket)
-                told = SessionDeadline(timeout_us=500_000).SerializeToString()
-                writer.write(
-                    frame(DEADLINE, told) + frame(REQUEST, open_message().SerializeToString())
+                reader, writer = await open_with_deadline(
+                    info.session_socket, 500_000, open_message()
                 )
-                assert (await read_frame(reader))[0] == RESPONSE
             await asyncio.sleep(1.0)
             # The service freed the slot at the deadline, the client doing nothing meanwhile.
             assert await active_sessions(stub) == 0
             if transport == "grpc":
                 assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             else:
-                kind, payload = await asyncio.wait_for(read_frame(reader), 5)
-                writer.close()
+                kind, code = await read_last_frame(reader, writer)
                 assert kind == ERROR
-                assert (
-                    SessionError.FromString(payload).code
-                    == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-                )
+                assert code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
     asyncio.run(run())
 

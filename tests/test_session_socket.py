@@ -14,13 +14,12 @@ import grpc
 import pytest
 
 from dflash_protos import target_pb2
-from dflash_protos.session_socket_pb2 import SessionDeadline, SessionError
+from dflash_protos.session_socket_pb2 import SessionError
 from dflash_serve.errors import CapacityError, ConfigError
 from dflash_serve.grpc_support.server import MAX_MESSAGE_BYTES
 from dflash_serve.service_settings import ServiceSettings
 from dflash_serve.session_socket.call import SessionSocketCall
 from dflash_serve.session_socket.framing import (
-    DEADLINE,
     ERROR,
     REQUEST,
     RESPONSE,
@@ -30,6 +29,7 @@ from dflash_serve.session_socket.framing import (
 )
 from dflash_serve.session_socket.server import SessionSocketServer
 from gateway.session_calls import SessionCalls
+from tests.raw_session import open_with_deadline, read_last_frame
 
 Request, Response = target_pb2.RunSessionRequest, target_pb2.RunSessionResponse
 
@@ -261,16 +261,12 @@ def test_the_service_ends_a_session_at_its_deadline(tmp_path):
     async def run():
         sessions = EchoSessions()
         server = await serving(tmp_path, sessions)
-        reader, writer = await asyncio.open_unix_connection(server.path)
-        told = SessionDeadline(timeout_us=300_000).SerializeToString()
-        writer.write(frame(DEADLINE, told) + frame(REQUEST, verify(3).SerializeToString()))
-        assert (await read_frame(reader))[0] == RESPONSE
+        reader, writer = await open_with_deadline(server.path, 300_000, verify(3))
         await asyncio.sleep(0.6)
         closed_by_service = sessions.closed.is_set()
-        kind, payload = await asyncio.wait_for(read_frame(reader), 5)  # (none: a failure)
-        writer.close()
+        kind, code = await read_last_frame(reader, writer)
         await server.close()
-        return closed_by_service, kind, SessionError.FromString(payload).code
+        return closed_by_service, kind, code
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert asyncio.run(run()) == (True, ERROR, code)
