@@ -69,19 +69,19 @@ SCHEDULES = ((4, 2), (4, 3), (4, 4), (8, 3))
 # round differently: `choose` takes only a pair of launches whose rows are checked
 # independent.
 BLOCK_NS = (32, 64, 128)
-MAX_EVEN_SPLITS = 12
+MAX_SPLIT_COUNT = 12
 
 
 def candidates(n: int, k: int, schedules=SCHEDULES) -> list[W4A16Config]:
     """Each K split that gives a row tile of `BLOCK_NS` outputs at least 2 or 4 programs per
-    SM, and `even_splits` (at least two tiles a split), with `BLOCK_NS` outputs
+    SM, and `splits_by_count` (at least two tiles a split), with `BLOCK_NS` outputs
     by 16, 32 or 64 rows a program and every (warps, stages) of `schedules`."""
     num_tiles = triton.cdiv(k, TILE_K)
     splits = {
         split_over_programs(n, k, min_programs, block_n=block_n, block_m=16).tiles_per_split
         for block_n, min_programs in itertools.product(BLOCK_NS, (264, 528))
     }
-    splits |= {tiles for tiles in even_splits(num_tiles) if tiles >= MIN_TILES_PER_SPLIT}
+    splits |= {tiles for tiles in splits_by_count(num_tiles) if tiles >= MIN_TILES_PER_SPLIT}
     grid = itertools.product(sorted(splits), BLOCK_NS, BLOCK_MS, schedules)
     configs = []
     for tiles_per_split, block_n, block_m, (warps, stages) in grid:
@@ -90,17 +90,16 @@ def candidates(n: int, k: int, schedules=SCHEDULES) -> list[W4A16Config]:
     return configs
 
 
-def even_splits(num_tiles: int) -> set[int]:
-    """Tiles per split for each split count up to `MAX_EVEN_SPLITS`: the shortest longest
-    split that count allows (⌈num_tiles / count⌉; a launch lasts as long as its longest split).
+def splits_by_count(num_tiles: int) -> set[int]:
+    """Tiles per split for each split count 1 … `MAX_SPLIT_COUNT`: ⌈num_tiles / count⌉.
 
-    The program-count rule above takes the fewest splits that reach a count, however unevenly
-    they share the tiles (gate+up: 9 + 1 tiles; attention q·k·v: 3 + 3 + 3 + 1), which that
-    rule's longer splits do not fix. On an H100 (2026-12-06) evener splits were faster at 16
-    rows for down (9 × 4 tiles: 10.3 against 12.4 µs for 7 × 5 + 1), the GDN input (2 × 5:
-    11.6 against 12.6 µs for 4 + 4 + 2) and attention's q·k·v (2 × 5: 10.9 against 11.4 µs),
-    sums of the splits included."""
-    return {triton.cdiv(num_tiles, count) for count in range(1, MAX_EVEN_SPLITS + 1)}
+    The program-count rule above yields only a few splits per shape (the fewest that reach a
+    program count), and it skipped faster ones: on an H100 (2026-12-06, tuned launches, split
+    sums included) at 16 rows down in 9 splits of 4 tiles took 10.3 against 12.4 µs for its
+    8 of 5 (7 × 5 + 1), the GDN input in 2 of 5 11.6 against 12.6 µs for its 3 of 4 (4 + 4 + 2),
+    attention's q·k·v in 2 of 5 10.9 against 11.4 µs for its 4 of 3 (3 + 3 + 3 + 1). Why each
+    is faster (fewer partial sums, programs better spread) was not measured."""
+    return {triton.cdiv(num_tiles, count) for count in range(1, MAX_SPLIT_COUNT + 1)}
 
 
 def choose(

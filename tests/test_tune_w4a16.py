@@ -41,6 +41,10 @@ def test_splits_give_a_row_tile_enough_programs_and_cover_k():
     for config in sweep:
         assert config.split_k == -(-num_tiles // config.tiles_per_split)
     assert len(sweep) == len(needed | even) * len(BLOCK_NS) * 3 * len(SCHEDULES)
+    # K = 2560: 10 tiles; ⌈10 / count⌉ for count 1 … 12 is {10, 5, 4, 3, 2, 1}, and a split of
+    # one tile is never a candidate (nothing to pipeline)
+    assert {config.tiles_per_split for config in candidates(2560, 2560)} >= {10, 5, 4, 3, 2}
+    assert min(config.tiles_per_split for config in candidates(2560, 2560)) == 2
 
 
 def test_choice_is_one_split_with_each_buckets_fastest_launch(tmp_path, monkeypatch):

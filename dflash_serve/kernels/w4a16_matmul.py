@@ -223,7 +223,8 @@ def config_key(n: int, k: int, group_size: int) -> str:
 
 @functools.cache
 def tuned_configs() -> dict[str, dict]:
-    """Per-shape launch configs measured on an H200 (bench/tune_w4a16.py), by `config_key`:
+    """Per-shape launch configs measured on an H200 (bench/tune_w4a16.py; three shapes' K
+    splits on an H100, see the file's note), by `config_key`:
     {tiles_per_split, split_k, by_rows: one launch (LAUNCH_FIELDS) per `ROW_BUCKETS` entry,
     as max_rows}; shapes not listed use the heuristic of `w4a16_config`."""
     if not TUNED_CONFIGS_PATH.exists():
