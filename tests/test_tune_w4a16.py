@@ -23,8 +23,8 @@ def test_every_schedule_is_swept_and_each_config_once():
 
 def test_splits_give_a_row_tile_enough_programs_and_cover_k():
     """Every candidate's K split is one a row tile of 32, 64 or 128 outputs needs for 2 or 4
-    programs per SM, or the shortest longest split of 1 … 12 splits (at least 2 tiles), and
-    every such split is swept with every tile size."""
+    programs per SM, or ⌈tiles / count⌉ for 1 … 12 splits (at least 2 tiles), and every such
+    split is swept with every tile size."""
     num_tiles = 9216 // TILE_K  # 36
     sweep = candidates(2560, 9216)
     needed = set()
@@ -35,16 +35,16 @@ def test_splits_give_a_row_tile_enough_programs_and_cover_k():
                 if programs >= min_programs or tiles_per_split == 2:
                     needed.add(tiles_per_split)
                     break
-    even = {36, 18, 12, 9, 8, 6, 5, 4, 3}  # ⌈36 / count⌉ for count 1 … 12
-    assert needed - even and even - needed  # (each rule contributes splits of its own)
-    assert {config.tiles_per_split for config in sweep} == needed | even
+    by_count = {36, 18, 12, 9, 8, 6, 5, 4, 3}  # ⌈36 / count⌉ for count 1 … 12
+    assert needed - by_count and by_count - needed  # (each rule contributes splits of its own)
+    assert {config.tiles_per_split for config in sweep} == needed | by_count
     for config in sweep:
         assert config.split_k == -(-num_tiles // config.tiles_per_split)
-    assert len(sweep) == len(needed | even) * len(BLOCK_NS) * 3 * len(SCHEDULES)
+    assert len(sweep) == len(needed | by_count) * len(BLOCK_NS) * 3 * len(SCHEDULES)
     # K = 2560: 10 tiles; ⌈10 / count⌉ for count 1 … 12 is {10, 5, 4, 3, 2, 1}, and a split of
     # one tile is never a candidate (nothing to pipeline)
-    assert {config.tiles_per_split for config in candidates(2560, 2560)} >= {10, 5, 4, 3, 2}
-    assert min(config.tiles_per_split for config in candidates(2560, 2560)) == 2
+    ten_tiles = {config.tiles_per_split for config in candidates(2560, 2560)}
+    assert ten_tiles >= {10, 5, 4, 3, 2} and min(ten_tiles) == 2
 
 
 def test_choice_is_one_split_with_each_buckets_fastest_launch(tmp_path, monkeypatch):
