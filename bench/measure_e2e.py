@@ -174,16 +174,21 @@ async def concurrent_throughput(
     target, drafter, prompt, continuation, tau, vocab, count, max_new, transport, shared
 ) -> dict:
     """`count` identical requests at once: total generated tokens per second, and per request
-    (means) its time to first token and its time after it, to tell prefill from decoding."""
+    (means) its time to first token and its time after it, to tell prefill from decoding.
+    The target's facts are asked once, before the clock starts, as the gateway asks them once
+    at start-up: asked by every request, the `count` GetInfo calls spread the sessions' opens
+    over milliseconds, and a prompt batch could start before the last sessions had opened."""
+    max_context = (await target.info()).max_context_tokens
     began = time.perf_counter()
     results = await asyncio.gather(
         *(
             run_request(
-                target, drafter, prompt, max_new, continuation, tau, vocab, transport, shared
+                target, drafter, prompt, max_new, continuation, tau, vocab, transport, shared,
+                max_context,
             )
             for _ in range(count)
         )
-    )
+    )  # fmt: skip
     elapsed = time.perf_counter() - began
 
     def step_ms(pairs: list[tuple[int, int]]) -> dict:

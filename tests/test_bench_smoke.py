@@ -79,6 +79,43 @@ def test_split_waves_names_the_steps_whose_requests_did_not_share_a_forward():
     assert split_waves([[1, 1, 1]]) == {}  # one request: every forward is its own
 
 
+def test_a_concurrency_round_asks_the_target_for_its_facts_once_before_its_clock(monkeypatch):
+    """As the gateway, which asks GetInfo once at start-up: not once per request, inside the
+    measured round, where the calls spread the sessions' opens."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from bench import measure_e2e
+
+    events = []
+
+    class Target:
+        async def info(self):
+            events.append(("info", None))
+            return SimpleNamespace(max_context_tokens=321)
+
+    async def run_request(target, drafter, prompt, max_new, *args):
+        events.append(("request", args[-1]))
+        return measure_e2e.RequestResult([1, 2], 0.001, 0.002, measure_e2e.StepTimes(), 0.0)
+
+    monkeypatch.setattr(measure_e2e, "run_request", run_request)
+    perf_counter, clock_starts = time.perf_counter, []
+
+    def recording_perf_counter():
+        clock_starts.append(len(events))
+        return perf_counter()
+
+    monkeypatch.setattr(time, "perf_counter", recording_perf_counter)  # (measure_e2e's too)
+    result = asyncio.run(
+        measure_e2e.concurrent_throughput(Target(), None, [5], [], 6, 10, 3, 2, "inline", None)
+    )
+    assert [kind for kind, _ in events] == ["info", "request", "request", "request"]
+    assert [value for kind, value in events if kind == "request"] == [321, 321, 321]
+    assert clock_starts[0] == 1  # the round's clock started after the one GetInfo
+    assert result["tok_s"] > 0
+
+
 def test_median_round_reports_one_whole_round():
     from bench.suite import median_round
 
