@@ -97,16 +97,22 @@ def main() -> None:
 
 
 def profile_prefill(run) -> dict:
-    """Kernel launches, host time and GPU time of one call, with the GPU time by kernel."""
+    """Kernel launches, host time and GPU time of one call, with the GPU time by kernel
+    (without a GPU: the host's side only, no kernels)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    if on_gpu:
         torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        run()
+        if on_gpu:
+            torch.cuda.synchronize()
     events = prof.key_averages()
-    print(events.table(sort_by="cuda_time_total", row_limit=20), flush=True)
+    sort_by = "cuda_time_total" if on_gpu else "self_cpu_time_total"
+    print(events.table(sort_by=sort_by, row_limit=20), flush=True)
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     return {
         "launches": sum(e.count for e in events if e.key in LAUNCH_CALLS),

@@ -14,7 +14,7 @@ what those forwards read for 4-bit layers.
 
 python -m bench.prefill_together --out bench/results/prefill-together-h200.json
     [--lengths 32 64 128] [--counts 1 2 4 8] [--prefill-batch-rows 256 1024]
-    [--layout int4_all] [--prefill-int4-reads int4 bf16]
+    [--layout int4_all] [--prefill-int4-reads int4 bf16] [--profile]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench.measure_engine import build_target
+from bench.prefill import profile_prefill
 from bench.timing import median_ms, run_facts
 from dflash_serve.checkpoint.synthetic import LAYOUTS, QWEN35_4B_TEXT, write_target
 from dflash_serve.layers.int4_reads import INT4_READS, PREFILL_INT4_READS_DEFAULT
@@ -36,8 +37,9 @@ from target_service.speculative_step import PrefillRequest, prefill_and_choose, 
 MAX_SLOTS = 16
 
 
-def measure(engine, length: int, count: int, repeats: int) -> dict:
-    """ms to prefill `count` prompts of `length` tokens: shared forwards, then one by one."""
+def measure(engine, length: int, count: int, repeats: int, profile: bool = False) -> dict:
+    """ms to prefill `count` prompts of `length` tokens: shared forwards, then one by one;
+    with `profile`, where one more shared run's time goes (bench.prefill.profile_prefill)."""
     vocab = engine.config.vocab_size
     prompts = [[(i * 7919 + j * 31) % vocab for i in range(length)] for j in range(count)]
     greedy = SamplingParams()
@@ -68,12 +70,15 @@ def measure(engine, length: int, count: int, repeats: int) -> dict:
     probe = engine.open_sequence()
     run_tokens = engine.prefill_run_length(probe, length)
     engine.close_sequence(probe)
-    return {
+    row = {
         "run_tokens": run_tokens,
         "prompts_per_forward": engine.prefill_group_size(run_tokens) if run_tokens else 1,
         "shared_ms": round(median_ms(shared, repeats=repeats, warmup=2), 3),
         "one_by_one_ms": round(median_ms(alone, repeats=repeats, warmup=2), 3),
     }
+    if profile:
+        row["shared_profile"] = profile_prefill(shared)
+    return row
 
 
 def main() -> None:
@@ -91,6 +96,11 @@ def main() -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="int4_all")
     parser.add_argument("--solo-lengths", type=int, nargs="*", default=[256, 512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one shared run of each count x length (kernels by GPU time)",
+    )
     parser.add_argument(
         "--prefill-int4-reads", choices=INT4_READS, nargs="+", default=[PREFILL_INT4_READS_DEFAULT]
     )
@@ -111,7 +121,7 @@ def main() -> None:
             by_rows = by_reads.setdefault("prefill_batch_rows", {})[str(rows)] = {}
             for length in args.lengths:
                 for count in args.counts:
-                    row = measure(engine, length, count, args.repeats)
+                    row = measure(engine, length, count, args.repeats, args.profile)
                     by_rows[f"{count}x{length}"] = row
                     print(
                         f"{reads} reads, budget {rows} rows: {count} x {length} {row}", flush=True

@@ -144,3 +144,10 @@ def test_prefill_together_bench_times_shared_and_one_by_one_prefills(causal_lm_d
     # Two warm-up runs and one timed run each way: shared in forwards of 2 + 1, then alone.
     assert forwards == [(2, 32), (1, 32)] * 3 + [(1, 32)] * 3 * 3
     assert engine.slots.num_active == 0
+
+    forwards.clear()
+    profiled = measure(engine, 20, 3, repeats=1, profile=True)["shared_profile"]
+    assert forwards[-2:] == [(2, 32), (1, 32)]  # one more shared run, the profiled one
+    assert len(forwards) == 2 * 3 + 3 * 3 + 2
+    assert profiled["host_ms"] > 0 and profiled["gpu_ms"] == 0  # a CPU: no kernels
+    assert engine.slots.num_active == 0
