@@ -104,12 +104,11 @@ def profile_prefill(run) -> dict:
 
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    if on_gpu:
-        torch.cuda.synchronize()
+    synchronize = torch.cuda.synchronize if on_gpu else lambda: None
+    synchronize()
     with profile(activities=activities) as prof:
         run()
-        if on_gpu:
-            torch.cuda.synchronize()
+        synchronize()
     events = prof.key_averages()
     sort_by = "cuda_time_total" if on_gpu else "self_cpu_time_total"
     print(events.table(sort_by=sort_by, row_limit=20), flush=True)

@@ -95,8 +95,9 @@ def test_a_concurrency_round_asks_the_target_for_its_facts_once_before_its_clock
             events.append(("info", None))
             return SimpleNamespace(max_context_tokens=321)
 
-    async def run_request(target, drafter, prompt, max_new, *args):
-        events.append(("request", args[-1]))
+    async def run_request(target, drafter, prompt, max_new, continuation=None, tau=None,
+                          vocab=0, transport="inline", shared=None, max_context=None):  # fmt: skip
+        events.append(("request", max_context))
         return measure_e2e.RequestResult([1, 2], 0.001, 0.002, measure_e2e.StepTimes(), 0.0)
 
     monkeypatch.setattr(measure_e2e, "run_request", run_request)
