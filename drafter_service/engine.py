@@ -133,10 +133,7 @@ class DrafterEngine:
         ]
         graph_rows = [min(rows.shape[0], MAX_NEW_CONTEXT) for rows in features]
         if self._graph_fits(slots, graph_rows, num_drafts):  # else all rows in one call
-            tails = [
-                self._add_leading_rows(slot, rows)
-                for slot, rows in zip(slots, features, strict=True)
-            ]
+            tails = self._add_leading_rows(slots, features)
             return self._replay(slots, tails, anchor_ids, num_drafts)
         for slot, rows in zip(slots, features, strict=True):
             self.model.add_context(self.cache, slot, rows.to(self.device))
@@ -162,16 +159,24 @@ class DrafterEngine:
             and self.graphs.accepts(len(slots), self.graphs.block_tokens, num_new)
         )
 
-    def _add_leading_rows(self, slot: int, rows: torch.Tensor) -> torch.Tensor:
-        """Add all but the last MAX_NEW_CONTEXT rows now and return the rest: a request's
-        first draft brings its prompt's features (hundreds of rows), and a draft after paced-
-        out steps their deferred rows too, more than a graph takes; they would otherwise send
-        every request batched with it down the eager path."""
-        if rows.shape[0] <= MAX_NEW_CONTEXT:
-            return rows
-        split = rows.shape[0] - MAX_NEW_CONTEXT
-        self.model.add_context(self.cache, slot, rows[:split].to(self.device))
-        return rows[split:]
+    def _add_leading_rows(self, slots: list[int], features: list[torch.Tensor]):
+        """Add all but the last MAX_NEW_CONTEXT rows of each slot's features now and return
+        the rests: a request's first draft brings its prompt's features (hundreds of rows),
+        and a draft after paced-out steps their deferred rows too, more than a graph takes;
+        they would otherwise send every request batched with it down the eager path. The
+        slots' leading rows go in one forward (`DFlashDrafter.add_contexts`): sessions that
+        start together bring their prompts to the same first draft, and one eager forward
+        per slot cost each of them its own launches, one after another."""
+        leading = {}
+        tails = []
+        for slot, rows in zip(slots, features, strict=True):
+            split = max(rows.shape[0] - MAX_NEW_CONTEXT, 0)
+            if split:
+                leading[slot] = rows[:split].to(self.device)
+            tails.append(rows[split:])
+        if leading:
+            self.model.add_contexts(self.cache, list(leading), list(leading.values()))
+        return tails
 
     def _replay(self, slots, features, anchor_ids, num_drafts: int) -> list[list[int]]:
         """The graph's full-block drafts after adding the context, cut to `num_drafts`

@@ -219,18 +219,71 @@ def test_fused_context_and_draft_graph_equals_separate_steps(drafter_dir, target
 
 @needs_gpu
 @pytest.mark.gpu
-def test_prompt_sized_context_still_replays_the_graph(drafter_dir, target_dir, monkeypatch):
+@pytest.mark.parametrize("new_rows", [(2, 40, 16), (30, 40, 21)])
+def test_prompt_sized_context_still_replays_the_graph(
+    drafter_dir, target_dir, monkeypatch, new_rows
+):
     """A request's first draft brings its whole prompt's features: the rows beyond the graph's
-    16 are added first, and the batch still replays its graph (every request in it would
-    otherwise wait for an eager forward), drafting what the eager steps give. (The drafter's
-    projections run on cuBLAS, whose bits for a row are assumed here not to depend on how
-    many rows share the call; the fused test above assumes it too. Drafts need not be exact:
-    were that to change on another GPU, only this equality would.)"""
+    16 are added first (every slot's in one forward), and the batch still replays its graph
+    (every request in it would otherwise wait for an eager forward), drafting what the eager
+    steps give. (The drafter's projections run on cuBLAS, whose bits for a row are assumed
+    here not to depend on how many rows share the call; the fused test above assumes it too.
+    Drafts need not be exact: were that to change on another GPU, only this equality would.)"""
     eager, graphed, slots, replays = eager_and_counted_graphed(drafter_dir, target_dir, monkeypatch)
-    new = {engine: [features(engine, n, seed=n) for n in (2, 40, 16)] for engine in slots}
+    forwards = []
+    add = graphed.model.add_context_on_device
+    monkeypatch.setattr(
+        graphed.model, "add_context_on_device", lambda *a: forwards.append(1) or add(*a)
+    )
+    new = {engine: [features(engine, n, seed=n) for n in new_rows] for engine in slots}
     assert_fused_step_drafts_as_eager(eager, graphed, slots, new)
     assert replays == [1]
-    assert [graphed.context_length(s) for s in slots[graphed]] == [7, 43, 25]
+    assert forwards == [1]  # the leading rows; the graph's own adds are captured, not called
+    lengths = [old + n for old, n in zip((5, 3, 9), new_rows, strict=True)]
+    assert [graphed.context_length(s) for s in slots[graphed]] == lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_several_slots_contexts_in_one_forward(drafter_dir, target_dir, dtype, monkeypatch):
+    """add_contexts (a draft batch's leading rows) writes each slot's keys and values as
+    add_context does slot by slot (to rounding), in one forward whose padding stays past
+    every slot's length; a slot without room for the padding sends the call slot by slot."""
+    together = new_engine(drafter_dir, target_dir, dtype, kernels=True)
+    alone = new_engine(drafter_dir, target_dir, dtype, kernels=True)
+    slots = {engine: fill(engine, (5, 3, 9)) for engine in (together, alone)}
+    forwards = []
+    add = together.model.add_context_on_device
+    monkeypatch.setattr(
+        together.model, "add_context_on_device", lambda *a: forwards.append(1) or add(*a)
+    )
+    new = [features(together, n, seed=20 + n) for n in (30, 2, 17)]
+    with torch.inference_mode():
+        together.model.add_contexts(together.cache, slots[together], new)
+        for slot, rows in zip(slots[alone], new, strict=True):
+            alone.add_context(slot, rows)
+    assert forwards == [1]
+    for a, b in zip(slots[together], slots[alone], strict=True):
+        length = alone.cache.lengths[b]
+        assert together.cache.lengths[a] == length
+        # Close, not equal: a matmul's bits for a row may depend on how many rows share it
+        # (fp32 on this CPU's BLAS they do); misplaced rows or padding would be far off.
+        for cached in ("keys", "values"):
+            torch.testing.assert_close(
+                getattr(together.cache, cached)[:, a, :length],
+                getattr(alone.cache, cached)[:, b, :length],
+            )
+    # A slot holding 56 rows has no room for 30 padded ones (MAX_LEN 64 + a block of 16).
+    crowded = new_engine(drafter_dir, target_dir, dtype, kernels=True)
+    crowded_slots = fill(crowded, (56, 3))
+    forwards.clear()
+    add = crowded.model.add_context_on_device
+    monkeypatch.setattr(
+        crowded.model, "add_context_on_device", lambda *a: forwards.append(1) or add(*a)
+    )
+    with torch.inference_mode():
+        crowded.model.add_contexts(crowded.cache, crowded_slots, [new[0][:4], new[0]])
+    assert forwards == [1, 1]
+    assert [crowded.cache.lengths[s] for s in crowded_slots] == [60, 33]
 
 
 @needs_gpu

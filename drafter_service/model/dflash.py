@@ -203,6 +203,27 @@ class DFlashDrafter(nn.Module):
             cache.values[layer_id, slot, start:end] = values
         cache.lengths[slot] = end
 
+    def add_contexts(
+        self, cache: DrafterContextCache, slots: list[int], features: list[torch.Tensor]
+    ) -> None:
+        """`add_context` for several slots, features [n_i, taps·hidden] each: on the kernel
+        path one forward for all, each slot's rows padded to the longest (`add_context_on_device`:
+        padding lands past the slot's new length), so sessions that start together add their
+        prompts without a forward's launches each; one slot at a time where a slot has no room
+        for the padding, or on the plain path."""
+        longest = max(rows.shape[0] for rows in features)
+        room = cache.keys.shape[2]
+        if not self.uses_gpu_kernels or any(cache.lengths[s] + longest > room for s in slots):
+            for slot, rows in zip(slots, features, strict=True):
+                self.add_context(cache, slot, rows)
+            return
+        padded = nn.utils.rnn.pad_sequence(features, batch_first=True)
+        starts = [cache.lengths[slot] for slot in slots]
+        ids = torch.tensor((slots, starts), dtype=torch.int64, device=padded.device)
+        self.add_context_on_device(cache, ids[0], ids[1], padded)
+        for slot, rows in zip(slots, features, strict=True):
+            cache.lengths[slot] += rows.shape[0]
+
     def add_context_on_device(
         self,
         cache: DrafterContextCache,
