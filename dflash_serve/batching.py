@@ -97,6 +97,8 @@ class DynamicBatcher(Generic[Request, Result]):
         self._recent_s = recent_s
         self._last_seen: dict[Hashable, float] = {}
         self._opening: set[object] = set()  # sessions being opened (`open_session`)
+        self._unheard: set[Hashable] = set()  # `expect_first_request`, nothing sent yet
+        self._first_requests: set[asyncio.Future] = set()  # pending: a session's first
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._trace_name = thread_name
@@ -114,6 +116,11 @@ class DynamicBatcher(Generic[Request, Result]):
             self._worker = loop.create_task(self._work())
         future = loop.create_future()
         step_trace.mark(f"{self._trace_name}.queued")
+        if self._unheard and self._session_of is not None:
+            session = self._session_of(request)
+            if session in self._unheard:
+                self._unheard.discard(session)
+                self._first_requests.add(future)
         self._last_arrival = loop.time()
         self._mark_seen([request])
         self._pending.append((request, future))
@@ -146,6 +153,16 @@ class DynamicBatcher(Generic[Request, Result]):
             self._last_seen[session] = loop.time()
         return session
 
+    def expect_first_request(self, session: Hashable) -> None:
+        """`session` is open and will send its first request some time from now (a drafter
+        session's first draft comes after the target's prefill, however long that takes, so
+        it is not opened through `open_session`). A batch of first requests only waits for
+        it too, at most max_wait_us: sessions that start together send their first requests
+        within a fraction of a millisecond of one another, and the first of them used to run
+        alone, the others queueing behind its forward. A batch holding any other request
+        does not wait for it."""
+        self._unheard.add(session)
+
     async def run_exclusive_for(self, session: Hashable, fn: Callable, *args):
         """`fn(*args)` on the batcher's thread as `session`'s next work, outside the batch
         queue (a long prompt): batches stop waiting for the session, and the requests
@@ -160,7 +177,10 @@ class DynamicBatcher(Generic[Request, Result]):
     def forget(self, session: Hashable) -> None:
         """Stop waiting for a session until it sends again: it closed (and its slot's next
         owner starts afresh), or its next work does not come through the batch queue."""
-        if self._last_seen.pop(session, None) is not None and self._wakeup is not None:
+        was_expected = session in self._unheard
+        self._unheard.discard(session)
+        seen = self._last_seen.pop(session, None) is not None
+        if (seen or was_expected) and self._wakeup is not None:
             self._wakeup.set()
 
     async def _work(self) -> None:
@@ -185,6 +205,7 @@ class DynamicBatcher(Generic[Request, Result]):
                 else:
                     future.set_exception(error)
             self._pending.clear()
+            self._first_requests.clear()
             raise
 
     async def _gather_companions(self) -> None:
@@ -233,10 +254,17 @@ class DynamicBatcher(Generic[Request, Result]):
                 del self._last_seen[key]
             # A request pending for longer than recent_s still counts its own session.
             pending = {self._session_of(request) for request, _ in self._pending}
-            largest = min(largest, len(pending | self._last_seen.keys()))
+            expected = pending | self._last_seen.keys()
+            if self._unheard and self._only_first_requests_pending():
+                expected |= self._unheard
+            largest = min(largest, len(expected))
         return largest
 
+    def _only_first_requests_pending(self) -> bool:
+        return all(future in self._first_requests for _, future in self._pending)
+
     async def _run(self, batch: list[tuple[Request, asyncio.Future]]) -> None:
+        self._first_requests.difference_update(future for _, future in batch)
         live = [(request, future) for request, future in batch if not future.cancelled()]
         if not live:
             return

@@ -39,11 +39,13 @@ class InProcessDrafter:
         """Not through `open_session`, as the target's open is: a drafter session's first
         draft comes only after the target's open and prefill, and waiting for it that long
         would hold back every other session's drafts (README, beside
-        `DynamicBatcher.open_session`)."""
+        `DynamicBatcher.open_session`). Only other sessions' first drafts wait for it
+        (`expect_first_request`): those of sessions starting together then share a batch."""
         engine = self.engine
         slot = await self.batcher.run_exclusive_undoable(
             engine.open_sequence, engine.close_sequence
         )
+        self.batcher.expect_first_request(slot)
         return DrafterSequence(self, slot)
 
     def close(self) -> None:

@@ -281,6 +281,78 @@ def test_a_session_going_stale_during_the_wait_ends_it():
     assert batches == [[("a", 1)], [("b", 1)]]
 
 
+def test_first_requests_wait_for_sessions_expected_to_send_theirs():
+    """a, b and c opened (expected to send a first request); a's and b's first requests
+    come 0.1 s apart and share a batch, which runs once c's has come too, long before
+    max_wait_us. Without the expectation a's would have run alone."""
+    batches = []
+    batcher = recording_batcher(batches, lambda: 3, session_of=lambda r: r[0], recent_s=10.0)
+    for session in "abc":
+        batcher.expect_first_request(session)
+    run_submissions(batcher, [(0, ("a", 1)), (0.1, ("b", 1)), (0.2, ("c", 1))])
+    assert batches == [[("a", 1), ("b", 1), ("c", 1)]]
+
+
+def test_a_first_request_runs_alone_without_the_expectation():
+    """(b's then waits for a, served a moment ago, until a goes stale after recent_s.)"""
+    batches = []
+    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=0.05)
+    run_submissions(batcher, [(0, ("a", 1)), (0.1, ("b", 1))])
+    assert batches == [[("a", 1)], [("b", 1)]]
+
+
+def test_a_batch_holding_a_later_request_does_not_wait_for_expected_sessions():
+    """b is expected but sends nothing; a's second request (a is past its first) runs at
+    once, and so did a's first, whose wait for b ended when b closed (forget)."""
+    batches = []
+    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=10.0)
+    for session in "ab":
+        batcher.expect_first_request(session)
+    began = time.monotonic()
+    run_concurrently(
+        batcher,
+        batcher.submit(("a", 1)),
+        after(0.1, batcher.forget, "b"),
+        after(0.2, batcher.submit, ("a", 2)),
+    )
+    assert batches == [[("a", 1)], [("a", 2)]]
+    assert time.monotonic() - began < 1.0  # max_wait_us is 3 s
+
+
+def test_an_expected_session_that_stays_silent_costs_a_first_request_max_wait_us():
+    batches = []
+    batcher = DynamicBatcher(
+        lambda r: batches.append(list(r)) or list(r), 8, 200_000, "wait", None, lambda: 2,
+        session_of=lambda r: r[0], recent_s=10.0,
+    )  # fmt: skip
+    batcher.expect_first_request("a")
+    batcher.expect_first_request("b")
+    began = time.monotonic()
+    run_submissions(batcher, [(0, ("a", 1))])
+    assert batches == [[("a", 1)]]
+    assert 0.2 <= time.monotonic() - began < 1.0
+
+
+def test_drafter_sessions_starting_together_share_their_first_draft(causal_lm_dir, dflash_dir):
+    """The drafter service's sessions expect their first drafts from their open: two opened
+    together whose first drafts come 50 ms apart run them in one batch."""
+    engine = DrafterEngine(load_drafter(dflash_dir, causal_lm_dir), 2, 64)
+    owner = InProcessDrafter(engine, max_wait_us=MAX_WAIT_US)
+    features = torch.zeros(3, engine.feature_dim)
+
+    async def go():
+        first, second = await asyncio.gather(owner.open(), owner.open())
+        await asyncio.gather(first.draft(features, 1, 4), after(0.05, second.draft, features, 2, 4))
+        await first.close()
+        await second.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 5.0))
+    finally:
+        owner.close()
+    assert (owner.batcher.counters.num_batches, owner.batcher.counters.num_requests) == (1, 2)
+
+
 def open_then_submit(batcher, name, delay_s):
     """A session as a client runs it: open (on the batcher's thread), then its first request
     `delay_s` later (the client's round trips)."""
