@@ -165,8 +165,8 @@ class DrafterEngine:
         and a draft after paced-out steps their deferred rows too, more than a graph takes;
         they would otherwise send every request batched with it down the eager path. The
         slots' leading rows go in one forward (`DFlashDrafter.add_contexts`): sessions that
-        start together bring their prompts to the same first draft, and one eager forward
-        per slot cost each of them its own launches, one after another."""
+        start together bring their prompts to the same first draft, and an eager forward
+        per slot cost each slot its own launches, one after another."""
         leading = {}
         tails = []
         for slot, rows in zip(slots, features, strict=True):

@@ -302,21 +302,30 @@ def test_a_first_request_runs_alone_without_the_expectation():
 
 
 def test_a_batch_holding_a_later_request_does_not_wait_for_expected_sessions():
-    """b is expected but sends nothing; a's second request (a is past its first) runs at
-    once, and so did a's first, whose wait for b ended when b closed (forget)."""
+    """b is expected and stays silent. a (never expected) runs its requests at once, and so
+    does c's first request, pending beside a's later one: only a batch made of first
+    requests waits for b. A close of b (forget) ends a first request's wait."""
     batches = []
-    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=10.0)
-    for session in "ab":
-        batcher.expect_first_request(session)
+    batcher = recording_batcher(batches, lambda: 4, session_of=lambda r: r[0], recent_s=0.05)
+    batcher.expect_first_request("b")
+    batcher.expect_first_request("c")
     began = time.monotonic()
     run_concurrently(
         batcher,
         batcher.submit(("a", 1)),
-        after(0.1, batcher.forget, "b"),
-        after(0.2, batcher.submit, ("a", 2)),
+        after(0.1, batcher.submit, ("a", 2)),
+        after(0.1, batcher.submit, ("c", 1)),
+        after(0.2, batcher.submit, ("d", 1)),
     )
-    assert batches == [[("a", 1)], [("a", 2)]]
+    assert batches == [[("a", 1)], [("a", 2), ("c", 1)], [("d", 1)]]
     assert time.monotonic() - began < 1.0  # max_wait_us is 3 s
+    batcher = recording_batcher(batches, lambda: 2, session_of=lambda r: r[0], recent_s=10.0)
+    for session in "ef":
+        batcher.expect_first_request(session)
+    began = time.monotonic()
+    run_concurrently(batcher, batcher.submit(("e", 1)), after(0.1, batcher.forget, "f"))
+    assert batches[-1] == [("e", 1)]
+    assert time.monotonic() - began < 1.0
 
 
 def test_an_expected_session_that_stays_silent_costs_a_first_request_max_wait_us():

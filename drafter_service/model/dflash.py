@@ -207,22 +207,24 @@ class DFlashDrafter(nn.Module):
         self, cache: DrafterContextCache, slots: list[int], features: list[torch.Tensor]
     ) -> None:
         """`add_context` for several slots, features [n_i, taps·hidden] each: on the kernel
-        path one forward for all, each slot's rows padded to the longest (`add_context_on_device`:
-        padding lands past the slot's new length), so sessions that start together add their
-        prompts without a forward's launches each; one slot at a time where a slot has no room
-        for the padding, or on the plain path."""
-        longest = max(rows.shape[0] for rows in features)
-        room = cache.keys.shape[2]
-        if not self.uses_gpu_kernels or any(cache.lengths[s] + longest > room for s in slots):
+        path one forward for all (every row its own slot id and position), so sessions that
+        start together add their prompts without a forward's launches each; on the plain
+        path slot by slot."""
+        if not self.uses_gpu_kernels:
             for slot, rows in zip(slots, features, strict=True):
                 self.add_context(cache, slot, rows)
             return
-        padded = nn.utils.rnn.pad_sequence(features, batch_first=True)
-        starts = [cache.lengths[slot] for slot in slots]
-        ids = torch.tensor((slots, starts), dtype=torch.int64, device=padded.device)
-        self.add_context_on_device(cache, ids[0], ids[1], padded)
-        for slot, rows in zip(slots, features, strict=True):
-            cache.lengths[slot] += rows.shape[0]
+        dtype = self.fc.weight.dtype
+        rows = torch.cat([part.to(dtype) for part in features])
+        row_slots, row_positions = [], []
+        for slot, part in zip(slots, features, strict=True):
+            start = cache.lengths[slot]
+            row_slots += [slot] * part.shape[0]
+            row_positions += range(start, start + part.shape[0])
+        ids = torch.tensor((row_slots, row_positions), dtype=torch.int64, device=rows.device)
+        self.add_context_on_device(cache, ids[0], ids[1], rows.unsqueeze(1))
+        for slot, part in zip(slots, features, strict=True):
+            cache.lengths[slot] += part.shape[0]
 
     def add_context_on_device(
         self,
@@ -233,8 +235,9 @@ class DFlashDrafter(nn.Module):
     ) -> None:
         """`add_context` for B slots from device tensors only: features [B, R, taps·hidden]
         go to positions start .. start + R − 1 (rows past a slot's real count are padding:
-        beyond its length, so never attended, and overwritten by the next block). The host
-        keeps `cache.lengths`; a CUDA graph of this replays for new values."""
+        beyond its length, so never attended, and overwritten by the next block). A slot may
+        come more than once (`add_contexts`: one row per entry). The host keeps
+        `cache.lengths`; a CUDA graph of this replays for new values."""
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         positions = block_positions(start_ids, features.shape[1])
         cos_sin = self.rotary.cos_sin(positions)
