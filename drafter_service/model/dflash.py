@@ -214,8 +214,8 @@ class DFlashDrafter(nn.Module):
             for slot, rows in zip(slots, features, strict=True):
                 self.add_context(cache, slot, rows)
             return
-        dtype = self.fc.weight.dtype
-        rows = torch.cat([part.to(dtype) for part in features])
+        weight = self.fc.weight
+        rows = torch.cat([part.to(weight.device, weight.dtype) for part in features])
         row_slots, row_positions = [], []
         for slot, part in zip(slots, features, strict=True):
             start = cache.lengths[slot]
