@@ -290,6 +290,10 @@ class DynamicBatcher(Generic[Request, Result]):
         except Exception as error:  # handed to every waiter of this batch
             logger.exception("batch of %d failed", len(live))
             results = [error] * len(live)
+        except BaseException:  # cancelled (the batcher closed) while the batch ran
+            for _, future in live:  # its requests left the queue: no waiter of it may hang
+                future.cancel()
+            raise
         for (_, future), result in zip(live, results, strict=True):
             if future.done():
                 continue

@@ -538,6 +538,30 @@ def test_a_service_session_whose_client_left_during_its_open_frees_its_slot(
     assert engine.slots.num_active == 0
 
 
+def test_closing_during_a_batch_on_the_thread_leaves_no_waiter_hanging():
+    """close() while a batch runs on the thread: its waiter is cancelled once the batch's
+    thread work ends (before, the batch had left the queue and its waiter hung)."""
+    started, gate = threading.Event(), threading.Event()
+
+    def run_batch(requests):
+        started.set()
+        gate.wait(2.0)
+        return list(requests)
+
+    batcher = DynamicBatcher(run_batch, 8, 0, "close")
+
+    async def go():
+        waiter = asyncio.ensure_future(batcher.submit("a"))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        threading.Timer(0.1, gate.set).start()
+        batcher.close()  # waits for the thread's work, then the worker is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiter, 1.0)
+
+    asyncio.run(go())
+
+
 def test_a_batch_with_the_wrong_number_of_results_fails_its_requests():
     batcher = DynamicBatcher(lambda requests: [], 8, 0, "broken")
 
