@@ -186,14 +186,11 @@ class DFlashDrafter(nn.Module):
 
     def add_context(self, cache: DrafterContextCache, slot: int, features: torch.Tensor) -> None:
         """Append committed tokens' tapped target features [n, taps·hidden] to a slot."""
+        if self.uses_gpu_kernels:  # the fused step's kernels, so both give the same keys
+            self.add_contexts(cache, [slot], [features])
+            return
         start = cache.lengths[slot]
         end = start + features.shape[0]
-        if self.uses_gpu_kernels:  # the fused step's kernels, so both give the same keys
-            slot_ids = torch.tensor([slot], device=features.device)
-            start_ids = torch.tensor([start], device=features.device)
-            self.add_context_on_device(cache, slot_ids, start_ids, features.unsqueeze(0))
-            cache.lengths[slot] = end
-            return
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         positions = torch.arange(start, end, device=features.device)
         cos_sin = self.rotary.cos_sin(positions)
@@ -216,12 +213,8 @@ class DFlashDrafter(nn.Module):
             return
         weight = self.fc.weight
         rows = torch.cat([part.to(weight.device, weight.dtype) for part in features])
-        row_slots, row_positions = [], []
-        for slot, part in zip(slots, features, strict=True):
-            start = cache.lengths[slot]
-            row_slots += [slot] * part.shape[0]
-            row_positions += range(start, start + part.shape[0])
-        ids = torch.tensor((row_slots, row_positions), dtype=torch.int64, device=rows.device)
+        ids = packed_row_ids(cache, slots, [part.shape[0] for part in features])
+        ids = ids.to(rows.device)
         self.add_context_on_device(cache, ids[0], ids[1], rows.unsqueeze(1))
         for slot, part in zip(slots, features, strict=True):
             cache.lengths[slot] += part.shape[0]
@@ -402,6 +395,19 @@ class DFlashDrafter(nn.Module):
             if not is_causal:
                 visible &= key_pos - query_pos < window
         return visible
+
+
+def packed_row_ids(cache: DrafterContextCache, slots: list[int], counts: list[int]) -> torch.Tensor:
+    """Slot ids and positions [2, sum(counts)] (int64, on the host) of context rows packed
+    slot after slot: counts[i] rows of slots[i], from its current length on."""
+    counts = torch.tensor(counts)
+    first_rows = counts.cumsum(0) - counts  # each slot's first row in the packing
+    starts = torch.tensor([cache.lengths[slot] for slot in slots])
+    row_slots = torch.tensor(slots).repeat_interleave(counts)
+    row_positions = torch.arange(int(counts.sum())) + (starts - first_rows).repeat_interleave(
+        counts
+    )
+    return torch.stack((row_slots, row_positions))
 
 
 def block_positions(starts: torch.Tensor, num_tokens: int) -> torch.Tensor:
