@@ -212,9 +212,9 @@ class DFlashDrafter(nn.Module):
                 self.add_context(cache, slot, rows)
             return
         weight = self.fc.weight
-        rows = torch.cat([part.to(weight.device, weight.dtype) for part in features])
-        ids = packed_row_ids(cache, slots, [part.shape[0] for part in features])
-        ids = ids.to(rows.device)
+        parts = [part.to(weight.device, weight.dtype) for part in features]
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # one slot's: no copy
+        ids = packed_row_ids(cache, slots, [part.shape[0] for part in features]).to(rows.device)
         self.add_context_on_device(cache, ids[0], ids[1], rows.unsqueeze(1))
         for slot, part in zip(slots, features, strict=True):
             cache.lengths[slot] += part.shape[0]
