@@ -5,6 +5,8 @@ launches; replaying them as one graph removes the Python and launch cost. The st
 everything that varies between calls from its input tensors (slots, positions, token ids,
 features) and returns tensors; `replay` copies new inputs into the captured buffers, replays,
 and returns copies of the outputs (the captured outputs are overwritten by the next replay).
+A caller that fills part of an input buffer itself (rows padded to the captured count) writes
+into `input_buffers` and calls `replay_as_filled`.
 Shapes that were not captured return None, and the caller runs the same step eagerly.
 
 Python's cyclic garbage collector must not run during a capture: it can free an earlier,
@@ -77,6 +79,16 @@ class StepGraphs:
             buffer.copy_(new, non_blocking=True)
         captured.graph.replay()
         return tuple(None if out is None else out.clone() for out in captured.outputs)
+
+    def input_buffers(self, key: Hashable) -> Inputs:
+        """The captured graph's own input tensors, for a caller that writes its inputs in
+        place (part of a buffer, say) and then calls `replay_as_filled`."""
+        return self.captured[key].inputs
+
+    def replay_as_filled(self, key: Hashable) -> None:
+        """Replay on what `input_buffers(key)` hold now, for a step run for its side effects
+        (its outputs are left in the graph's buffers, not copied)."""
+        self.captured[key].graph.replay()
 
 
 @contextlib.contextmanager

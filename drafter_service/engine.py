@@ -9,7 +9,9 @@ path: the drafter is trained on full blocks and its block positions attend to ea
 a shorter block proposes other, much worse tokens (the shipped pair on the CPU: τ 6.9 with 15
 drafts, 1.6 with 11 from a 12-token block). On a model running its GPU kernels, drafts of
 captured batch sizes replay a CUDA graph (`DraftGraphs`) of that block; batch sizes that were
-not captured run the same kernels eagerly.
+not captured run the same kernels eagerly. Context rows beyond a block (a first draft's
+prompt) are added before the draft, every slot's in one forward, replayed as a graph of
+padded rows (`ContextGraphs`) where one holds them.
 
 A step that drafts nothing (the gateway paces drafting out while drafting does not pay) only
 hands over the committed tokens' features: they wait (`defer_context`) and enter the cache
@@ -25,6 +27,7 @@ import torch
 
 from dflash_serve.errors import InvalidRequestError
 from dflash_serve.slots import SlotAllocator
+from drafter_service.context_graphs import ContextGraphs
 from drafter_service.draft_graphs import DRAFT_BLOCK_TOKENS, MAX_NEW_CONTEXT, DraftGraphs
 from drafter_service.model.context_cache import DrafterContextCache
 from drafter_service.model.dflash import DFlashDrafter
@@ -41,8 +44,9 @@ class DrafterEngine:
         graph_batch_sizes: tuple[int, ...] = (),
     ) -> None:
         """graph_batch_sizes: capture CUDA graphs of the full-block draft step for these batch
-        sizes (the model must already run on its GPU kernels, see `use_gpu_kernels`); sizes
-        above max_slots are left out, as no batch of distinct slots reaches them."""
+        sizes (the model must already run on its GPU kernels, see `use_gpu_kernels`), and of
+        a batch's leading context rows (`ContextGraphs`); sizes above max_slots are left
+        out, as no batch of distinct slots reaches them."""
         if graph_batch_sizes and not model.uses_gpu_kernels:
             raise ValueError(
                 f"graph_batch_sizes {graph_batch_sizes}: CUDA graphs need a model on its GPU "
@@ -58,6 +62,7 @@ class DrafterEngine:
         self.slots = SlotAllocator(max_slots, "drafter")
         self.deferred: dict[int, list[torch.Tensor]] = {}  # slot -> feature rows, oldest first
         self.graphs: DraftGraphs | None = None
+        self.context_graphs: ContextGraphs | None = None  # a draft batch's leading rows
         batch_sizes = tuple(b for b in graph_batch_sizes if b <= max_slots)
         if batch_sizes and self.config.block_size != DRAFT_BLOCK_TOKENS:
             # The graph pads context to a target block and writes a full block past max_len.
@@ -69,6 +74,7 @@ class DrafterEngine:
             )
         elif batch_sizes:
             self.graphs = DraftGraphs(model, self.cache, batch_sizes)
+            self.context_graphs = ContextGraphs(model, self.cache, max(batch_sizes) * max_len)
 
     def open_sequence(self) -> int:
         slot = self.slots.acquire()
@@ -164,9 +170,10 @@ class DrafterEngine:
         the rests: a request's first draft brings its prompt's features (hundreds of rows),
         and a draft after paced-out steps their deferred rows too, more than a graph takes;
         they would otherwise send every request batched with it down the eager path. The
-        slots' leading rows go in one forward (`DFlashDrafter.add_contexts`): sessions that
-        start together bring their prompts to the same first draft, and an eager forward
-        per slot cost each slot its own launches, one after another."""
+        slots' leading rows go in one forward (`DFlashDrafter.add_contexts`), replayed as a
+        graph where one holds them (`ContextGraphs`): sessions that start together bring
+        their prompts to the same first draft, and an eager forward per slot cost each slot
+        its own launches, one after another."""
         leading = {}
         tails = []
         for slot, rows in zip(slots, features, strict=True):
@@ -175,7 +182,10 @@ class DrafterEngine:
                 leading[slot] = rows[:split].to(self.device)
             tails.append(rows[split:])
         if leading:
-            self.model.add_contexts(self.cache, list(leading), list(leading.values()))
+            leading_slots, leading_rows = list(leading), list(leading.values())
+            graphs = self.context_graphs
+            if graphs is None or not graphs.add(leading_slots, leading_rows):
+                self.model.add_contexts(self.cache, leading_slots, leading_rows)
         return tails
 
     def _replay(self, slots, features, anchor_ids, num_drafts: int) -> list[list[int]]:

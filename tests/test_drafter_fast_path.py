@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dflash_serve.checkpoint.synthetic import write_drafter
+from drafter_service.context_graphs import ContextGraphs
 from drafter_service.engine import DrafterEngine
 from drafter_service.model.loader import load_drafter
 from tests.tiny_checkpoints import dflash_config_dict, write_causal_lm
@@ -220,27 +221,95 @@ def test_fused_context_and_draft_graph_equals_separate_steps(drafter_dir, target
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("new_rows", [(2, 40, 16), (30, 40, 21)])
+@pytest.mark.parametrize("context_graphs", [True, False])
 def test_prompt_sized_context_still_replays_the_graph(
-    drafter_dir, target_dir, monkeypatch, new_rows
+    drafter_dir, target_dir, monkeypatch, new_rows, context_graphs
 ):
     """A request's first draft brings its whole prompt's features: the rows beyond the graph's
-    16 are added first (those of every slot in one forward), and the batch still replays its graph
-    (every request in it would otherwise wait for an eager forward), drafting what the eager
-    steps give. (The drafter's projections run on cuBLAS, whose bits for a row are assumed
-    here not to depend on how many rows share the call; the fused test above assumes it too.
-    Drafts need not be exact: were that to change on another GPU, only this equality would.)"""
+    16 are added first (those of every slot in one forward: a context graph's replay, or
+    without one an eager forward), and the batch still replays its graph (every request in
+    it would otherwise wait for an eager forward), drafting what the eager steps give. (The
+    drafter's projections run on cuBLAS, whose bits for a row are assumed here not to depend
+    on how many rows share the call; the fused test above assumes it too. Drafts need not be
+    exact: were that to change on another GPU, only this equality would.)"""
     eager, graphed, slots, replays = eager_and_counted_graphed(drafter_dir, target_dir, monkeypatch)
-    forwards = []
+    forwards, context_replays = [], []
     add = graphed.model.add_context_on_device
     monkeypatch.setattr(
         graphed.model, "add_context_on_device", lambda *a: forwards.append(1) or add(*a)
     )
+    if context_graphs:
+        replay_context = graphed.context_graphs.graphs.replay_as_filled
+        monkeypatch.setattr(
+            graphed.context_graphs.graphs,
+            "replay_as_filled",
+            lambda *a: context_replays.append(1) or replay_context(*a),
+        )
+    else:
+        graphed.context_graphs = None
     new = {engine: [features(engine, n, seed=n) for n in new_rows] for engine in slots}
     assert_fused_step_drafts_as_eager(eager, graphed, slots, new)
     assert replays == [1]
-    assert forwards == [1]  # the leading rows; the graph's own adds are captured, not called
+    # The leading rows; the graphs' own adds are captured, not called.
+    assert (context_replays, forwards) == (([1], []) if context_graphs else ([], [1]))
     lengths = [old + n for old, n in zip((5, 3, 9), new_rows, strict=True)]
     assert [graphed.context_length(s) for s in slots[graphed]] == lengths
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_context_graph_adds_packed_rows_as_the_eager_forward(drafter_dir, target_dir, monkeypatch):
+    """ContextGraphs.add, padded to the smallest captured row count that holds the rows,
+    writes each slot's keys and values as the eager add_contexts does (to rounding: the
+    projections see more rows), advances the lengths, up to a full slot, and changes nothing
+    else in the cache but the padding row (slot 0's last, past max_len); more rows than the
+    largest count are refused with nothing done. Captured after the slots were filled, so
+    capturing must leave their context alone too."""
+    graphed = new_engine(drafter_dir, target_dir, torch.bfloat16, kernels=True)
+    eager = new_engine(drafter_dir, target_dir, torch.bfloat16, kernels=True)
+    slots = {engine: fill(engine, (5, 56, 9, 3)) for engine in (graphed, eager)}
+    graphs = ContextGraphs(graphed.model, graphed.cache, max_rows=64, row_counts=(32, 16))
+    assert ContextGraphs(graphed.model, graphed.cache, 20, (16, 64, 32)).row_counts == (16, 32)
+    replayed = []
+    replay = graphs.graphs.replay_as_filled
+    monkeypatch.setattr(
+        graphs.graphs, "replay_as_filled", lambda count: replayed.append(count) or replay(count)
+    )
+    cache = graphed.cache
+    assert 0 in slots[graphed]  # the padding row's slot holds context too
+    for name in ("keys", "values"):
+        context = (getattr(engine.cache, name)[:, :, :MAX_LEN] for engine in (graphed, eager))
+        assert torch.equal(*context), name
+    rounds = (([0, 2, 3], (20, 5, 2)), ([3, 1, 0], (1, 8, 7)), ([2, 0], (30, 3)))
+    for round_index, (order, counts) in enumerate(rounds):
+        picked = {engine: [slots[engine][i] for i in order] for engine in slots}
+        new = [features(graphed, n, seed=40 * round_index + n) for n in counts]
+        starts = [cache.lengths[slot] for slot in picked[graphed]]
+        before = (cache.keys.clone(), cache.values.clone(), list(cache.lengths))
+        added = graphs.add(picked[graphed], [rows.to(DEVICE) for rows in new])
+        assert added == (sum(counts) <= 32), round_index
+        if not added:
+            assert torch.equal(cache.keys, before[0]) and torch.equal(cache.values, before[1])
+            assert cache.lengths == before[2]
+            continue
+        with torch.inference_mode():
+            eager.model.add_contexts(eager.cache, picked[eager], new)
+        untouched = torch.ones(cache.keys.shape[1:3], dtype=torch.bool, device=DEVICE)
+        untouched[0, -1] = False  # the padding row
+        for slot, eager_slot, start, n in zip(
+            picked[graphed], picked[eager], starts, counts, strict=True
+        ):
+            assert cache.lengths[slot] == eager.cache.lengths[eager_slot] == start + n
+            untouched[slot, start : start + n] = False
+            for name in ("keys", "values"):
+                torch.testing.assert_close(
+                    getattr(cache, name)[:, slot, start : start + n],
+                    getattr(eager.cache, name)[:, eager_slot, start : start + n],
+                )
+        for name, old in zip(("keys", "values"), before[:2], strict=True):
+            assert torch.equal(getattr(cache, name)[:, untouched], old[:, untouched]), name
+    assert replayed == [32, 16]  # 27 rows padded to 32, then exactly 16
+    assert [cache.lengths[s] for s in slots[graphed]] == [25 + 7, 64, 9 + 5, 3 + 2 + 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
