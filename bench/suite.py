@@ -279,6 +279,8 @@ class Suite:
             self.results["concurrency"][str(count)] = median_round(rounds) | {
                 "rounds_tok_s": [r["tok_s"] for r in rounds],
                 "first_round_tok_s": first_round["tok_s"],
+                "round_summaries": [round_summary(r) for r in rounds],
+                "first_round_summary": round_summary(first_round),
                 "batching": batching,
             }
             progress(f"  concurrency {count}: {self.results['concurrency'][str(count)]}")
@@ -423,6 +425,22 @@ def median_round(rounds: list[dict]) -> dict:
     so that its step times stay those of the round whose tok/s is reported."""
     ranked = sorted(rounds, key=lambda r: r["tok_s"])
     return ranked[(len(ranked) - 1) // 2]
+
+
+def round_summary(result: dict) -> dict:
+    """One concurrency round in a line: where its time went and its slowest steps, so that a
+    round far off the others (the report keeps the median round whole, not the outliers) can
+    be told apart: a slow open or prefill, one stalled step, or waves that split."""
+    return {
+        "tok_s": result["tok_s"],
+        "mean_open_ms": result["mean_open_ms"],
+        "mean_ttft_ms": result["mean_ttft_ms"],
+        "mean_decode_ms": result["mean_decode_ms"],
+        "max_prefill_ms": result["prefill_ms"]["max_wall"],
+        "max_verify_ms": result["verify_ms"]["max_wall"],
+        "max_draft_ms": result["draft_ms"]["max_wall"],
+        "split_steps": {kind: len(steps) for kind, steps in result["split_waves"].items()},
+    }
 
 
 def batching_during(before: dict, after: dict, step: str) -> dict:

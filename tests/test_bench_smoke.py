@@ -67,6 +67,13 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
             assert 1 <= batching["mean_batch_size"] <= int(count), (count, batching)
         assert entry["batching"]["drafter"]["mean_batch_size"] == 1
         assert set(entry["split_waves"]) == {"prefill", "verify", "draft"}
+        summaries = entry["round_summaries"]
+        assert [s["tok_s"] for s in summaries] == entry["rounds_tok_s"]
+        assert entry["first_round_summary"]["tok_s"] == entry["first_round_tok_s"]
+        median = next(s for s in summaries if s["tok_s"] == entry["tok_s"])
+        assert median["max_verify_ms"] == entry["verify_ms"]["max_wall"]  # the same round's
+        assert median["mean_open_ms"] == entry["mean_open_ms"]
+        assert median["split_steps"] == {k: len(v) for k, v in entry["split_waves"].items()}
     assert (tmp_path / "latest.md").read_text().startswith("# Benchmark suite")
 
 
@@ -152,3 +159,32 @@ def test_prefill_together_bench_times_shared_and_one_by_one_prefills(causal_lm_d
     assert len(forwards) == 2 * 3 + 3 * 3 + 2
     assert profiled["host_ms"] > 0 and profiled["gpu_ms"] == 0  # a CPU: no kernels
     assert engine.slots.num_active == 0
+
+
+def test_a_round_summary_keeps_a_rounds_slowest_steps_and_its_split_waves():
+    from bench.suite import round_summary
+
+    def steps(median, top):
+        return {"median_wall": median, "max_wall": top, "median_forward": 1.0, "max_forward": 2.0}
+
+    result = {
+        "tok_s": 1051.2,
+        "mean_ttft_ms": 16.5,
+        "mean_open_ms": 1.7,
+        "mean_decode_ms": 91.7,
+        "prefill_ms": steps(14.7, 15.1),
+        "verify_ms": steps(6.2, 131.0),
+        "draft_ms": steps(2.1, 2.8),
+        "verify_ms_after_first": steps(6.2, 6.4),
+        "split_waves": {"prefill": {}, "verify": {"3": {3: 3, 1: 1}, "5": {2: 4}}, "draft": {}},
+    }
+    assert round_summary(result) == {
+        "tok_s": 1051.2,
+        "mean_open_ms": 1.7,
+        "mean_ttft_ms": 16.5,
+        "mean_decode_ms": 91.7,
+        "max_prefill_ms": 15.1,
+        "max_verify_ms": 131.0,
+        "max_draft_ms": 2.8,
+        "split_steps": {"prefill": 0, "verify": 2, "draft": 0},
+    }
