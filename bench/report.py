@@ -19,6 +19,12 @@ def write_results(results: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def slow_rounds(entry: dict, below: float = 0.8) -> list[dict]:
+    """The measured rounds of a concurrency entry under `below` × its median tok/s, in the
+    order they ran: the median round hides them, and a stall decides a ~100 ms round."""
+    return [s for s in entry.get("round_summaries", []) if s["tok_s"] < below * entry["tok_s"]]
+
+
 def markdown(r: dict) -> str:
     lines = [
         f"# Benchmark suite — {r['gpu']}, {r['date']}",
@@ -97,6 +103,8 @@ def markdown(r: dict) -> str:
         for n, c in concurrency.items():
             if "batching" in c:
                 lines.append(f"- {n} streams, batching: {json.dumps(c['batching'])}")
+            for outline in slow_rounds(c):
+                lines.append(f"- {n} streams, a slow round: {json.dumps(outline)}")
     lines += [
         "",
         f"State bytes per sequence: {json.dumps(r.get('state_bytes_per_seq', {}))}",

@@ -188,3 +188,14 @@ def test_a_round_summary_keeps_a_rounds_slowest_steps_and_its_split_waves():
         "max_draft_ms": 2.8,
         "split_steps": {"prefill": 0, "verify": 2, "draft": 0},
     }
+
+
+def test_the_report_names_rounds_far_below_the_median():
+    from bench.report import slow_rounds
+
+    def outline(tok_s):
+        return {"tok_s": tok_s, "max_verify_ms": 5.0}
+
+    entry = {"tok_s": 2356.5, "round_summaries": [outline(1051.2), outline(2356.5), outline(1900)]}
+    assert slow_rounds(entry) == [outline(1051.2)]  # 1900 is within 20 % of the median
+    assert slow_rounds({"tok_s": 800.0}) == []  # results written before the outlines
