@@ -71,7 +71,7 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
         assert [s["tok_s"] for s in summaries] == entry["rounds_tok_s"]
         assert entry["first_round_summary"]["tok_s"] == entry["first_round_tok_s"]
         median = next(s for s in summaries if s["tok_s"] == entry["tok_s"])
-        assert median["max_verify_ms"] == entry["verify_ms"]["max_wall"]  # the same round's
+        assert median["max_verify_wall_ms"] == entry["verify_ms"]["max_wall"]  # the same round's
         assert median["mean_open_ms"] == entry["mean_open_ms"]
         assert median["split_steps"] == {k: len(v) for k, v in entry["split_waves"].items()}
     assert (tmp_path / "latest.md").read_text().startswith("# Benchmark suite")
@@ -183,19 +183,30 @@ def test_a_round_summary_keeps_a_rounds_slowest_steps_and_its_split_waves():
         "mean_open_ms": 1.7,
         "mean_ttft_ms": 16.5,
         "mean_decode_ms": 91.7,
-        "max_prefill_ms": 15.1,
-        "max_verify_ms": 131.0,
-        "max_draft_ms": 2.8,
+        "max_prefill_wall_ms": 15.1,
+        "max_verify_wall_ms": 131.0,
+        "max_verify_wall_after_first_ms": 6.4,
+        "max_draft_wall_ms": 2.8,
         "split_steps": {"prefill": 0, "verify": 2, "draft": 0},
     }
 
 
 def test_the_report_names_rounds_far_below_the_median():
-    from bench.report import slow_rounds
+    from bench.report import markdown, slow_rounds
 
     def outline(tok_s):
-        return {"tok_s": tok_s, "max_verify_ms": 5.0}
+        return {"tok_s": tok_s, "max_verify_wall_ms": 5.0}
 
-    entry = {"tok_s": 2356.5, "round_summaries": [outline(1051.2), outline(2356.5), outline(1900)]}
-    assert slow_rounds(entry) == [outline(1051.2)]  # 1900 is within 20 % of the median
+    # The median (the entry's tok/s) is 2356.5: 0.8 x it is 1885.2, 0.8 x the mean 1521.
+    rounds = [outline(1051.2), outline(2356.5), outline(1800.0), outline(1900.0), outline(2400.0)]
+    entry = {"tok_s": 2356.5, "round_summaries": rounds}
+    # Under 0.8 x the median, in the order they ran; 1900 is within 20 % of it.
+    assert slow_rounds(entry) == [outline(1051.2), outline(1800.0)]
     assert slow_rounds({"tok_s": 800.0}) == []  # results written before the outlines
+    report = markdown({"gpu": "cpu", "date": "2026-12-07 08:00 UTC", "commit": "x",
+                       "torch": "2", "command": "c", "concurrency": {"4": entry}})  # fmt: skip
+    lines = [line for line in report.splitlines() if "slow round" in line]
+    assert lines == [
+        '- 4 streams, a slow round: {"tok_s": 1051.2, "max_verify_wall_ms": 5.0}',
+        '- 4 streams, a slow round: {"tok_s": 1800.0, "max_verify_wall_ms": 5.0}',
+    ]
