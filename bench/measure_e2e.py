@@ -14,6 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from dflash_serve import step_trace
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
 from dflash_serve.speculative.pending_drafter import PendingDrafterSession
 from dflash_serve.speculative.scripted_drafter import ScriptedDrafter
@@ -179,6 +180,7 @@ async def concurrent_throughput(
     at start-up: asked by every request, the `count` GetInfo calls spread the sessions' opens
     over milliseconds, and a prompt batch could start before the last sessions had opened."""
     max_context = (await target.info()).max_context_tokens
+    step_trace.mark(f"round.{count}.start")  # a traced suite run's rounds, told apart
     began = time.perf_counter()
     results = await asyncio.gather(
         *(
@@ -190,6 +192,7 @@ async def concurrent_throughput(
         )
     )  # fmt: skip
     elapsed = time.perf_counter() - began
+    step_trace.mark(f"round.{count}.end")
 
     def step_ms(pairs: list[tuple[int, int]]) -> dict:
         """Medians and maxima over all requests' steps of wall and forward time, in ms."""

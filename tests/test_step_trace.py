@@ -144,3 +144,25 @@ def test_a_gateway_profile_is_reported_per_step_costliest_first():
     assert by_name["busy"]["own_us_per_step"] > 100 * by_name["idle"]["own_us_per_step"]
     assert by_name["busy"]["cumulative_us_per_step"] >= by_name["busy"]["own_us_per_step"]
     assert profile_per_step(profiler, steps=10, top=1) == rows[:1]
+
+
+def test_a_traced_process_marks_its_older_collections(tmp_path, monkeypatch):
+    """A full collection stops every thread of a service: the trace must show when."""
+    import gc
+
+    monkeypatch.setattr(step_trace, "_prefix", None)
+    monkeypatch.setattr(step_trace, "_file", None)
+    monkeypatch.delenv(step_trace.TRACE_ENV, raising=False)  # enable() sets it: restored
+    try:
+        step_trace.enable(str(tmp_path / "trace"))
+        step_trace.enable(str(tmp_path / "trace"))  # twice: still one callback
+        assert gc.callbacks.count(step_trace._mark_collection) == 1
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        while step_trace._mark_collection in gc.callbacks:
+            gc.callbacks.remove(step_trace._mark_collection)
+    step_trace._file.close()
+    (path,) = tmp_path.iterdir()
+    names = [line.split()[0] for line in path.read_text().splitlines()]
+    assert names == ["gc.start.gen2", "gc.stop.gen2"]
