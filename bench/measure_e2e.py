@@ -222,6 +222,32 @@ async def concurrent_throughput(
             kind: split_waves([r.times.batch_sizes[kind] for r in results])
             for kind in ("prefill", "verify", "draft")
         },
+        "slowest_steps": {
+            kind: slowest_step([r.times for r in results], kind)
+            for kind in ("prefill", "verify", "draft")
+        },
+    }
+
+
+def slowest_step(times: list[StepTimes], kind: str) -> dict | None:
+    """The step of this kind with the longest wall time over all requests: which request and
+    step it was, its wall and forward time (a wall far above its forward waited outside the
+    engine: transport, a queue, a stalled process) and the size of its batch."""
+    steps = [
+        (wall, forward, request, index, sizes[index] if index < len(sizes) else None)
+        for request, t in enumerate(times)
+        for sizes in (t.batch_sizes[kind],)
+        for index, (wall, forward) in enumerate(getattr(t, kind))
+    ]
+    if not steps:
+        return None
+    wall, forward, request, index, size = max(steps, key=lambda step: step[0])
+    return {
+        "request": request,
+        "step": index,
+        "wall_ms": round(wall / 1e6, 3),
+        "forward_ms": round(forward / 1e6, 3),
+        "batch_size": size,
     }
 
 

@@ -443,6 +443,7 @@ def round_summary(result: dict) -> dict:
         "max_verify_wall_after_first_ms": result["verify_ms_after_first"]["max_wall"],
         "max_draft_wall_ms": result["draft_ms"]["max_wall"],
         "split_steps": {kind: len(steps) for kind, steps in result["split_waves"].items()},
+        "slowest_steps": result["slowest_steps"],
     }
 
 

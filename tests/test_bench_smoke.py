@@ -74,6 +74,9 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
         assert median["max_verify_wall_ms"] == entry["verify_ms"]["max_wall"]  # the same round's
         assert median["mean_open_ms"] == entry["mean_open_ms"]
         assert median["split_steps"] == {k: len(v) for k, v in entry["split_waves"].items()}
+        slowest = median["slowest_steps"]["verify"]
+        assert slowest["wall_ms"] == entry["verify_ms"]["max_wall"]
+        assert 0 <= slowest["request"] < int(count) and slowest["batch_size"] >= 1
     assert (tmp_path / "latest.md").read_text().startswith("# Benchmark suite")
 
 
@@ -177,6 +180,7 @@ def test_a_round_summary_keeps_a_rounds_slowest_steps_and_its_split_waves():
         "draft_ms": steps(2.1, 2.8),
         "verify_ms_after_first": steps(6.2, 6.4),
         "split_waves": {"prefill": {}, "verify": {"3": {3: 3, 1: 1}, "5": {2: 4}}, "draft": {}},
+        "slowest_steps": {"prefill": None, "verify": {"request": 2, "step": 4}, "draft": None},
     }
     assert round_summary(result) == {
         "tok_s": 1051.2,
@@ -188,7 +192,26 @@ def test_a_round_summary_keeps_a_rounds_slowest_steps_and_its_split_waves():
         "max_verify_wall_after_first_ms": 6.4,
         "max_draft_wall_ms": 2.8,
         "split_steps": {"prefill": 0, "verify": 2, "draft": 0},
+        "slowest_steps": {"prefill": None, "verify": {"request": 2, "step": 4}, "draft": None},
     }
+
+
+def test_the_slowest_step_is_named_by_request_and_step_with_its_forward_and_batch():
+    from bench.measure_e2e import StepTimes, slowest_step
+
+    first, second = StepTimes(), StepTimes()
+    first.draft = [(2_000_000, 1_500_000), (3_100_000, 1_600_000)]
+    first.batch_sizes["draft"] = [4, 4]
+    second.draft = [(2_100_000, 1_500_000), (106_900_000, 1_700_000), (2_000_000, 1_400_000)]
+    second.batch_sizes["draft"] = [4, 3, 4]
+    assert slowest_step([first, second], "draft") == {
+        "request": 1,
+        "step": 1,
+        "wall_ms": 106.9,
+        "forward_ms": 1.7,
+        "batch_size": 3,
+    }
+    assert slowest_step([first, second], "verify") is None  # no step of that kind
 
 
 def test_the_report_names_rounds_far_below_the_median():
