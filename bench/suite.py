@@ -26,6 +26,7 @@ from pathlib import Path
 from bench import measure_e2e, measure_engine
 from bench.report import write_results
 from bench.timing import empty_cache, hbm_bandwidth_gbps, run_facts
+from dflash_serve import stall_watch
 from dflash_serve.checkpoint.synthetic import (
     DFLASH_4B,
     LAYOUTS,
@@ -538,6 +539,7 @@ def main() -> None:
     if "bf16" not in args.layouts:
         args.layouts.insert(0, "bf16")
     logging.basicConfig(level=logging.WARNING)
+    stall_watch.start_if_enabled()  # DFLASH_STALL_WATCH: this process and the services
     suite = Suite(args)
     try:
         suite.section("checkpoints", suite.checkpoints)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from dflash_serve import stall_watch
 from dflash_serve.errors import DflashError
 from dflash_serve.layers.int4_reads import INT4_READS, PREFILL_INT4_READS_DEFAULT
 from dflash_serve.service_settings import DEFAULT_MAX_WAIT_US, DTYPE_CHOICES
@@ -366,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     args = build_parser().parse_args(argv)
+    stall_watch.start_if_enabled()  # DFLASH_STALL_WATCH: where a process stops, if it does
     try:
         COMMANDS[args.command](args)
     except DflashError as error:

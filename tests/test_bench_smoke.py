@@ -29,10 +29,16 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
         text=True,
         timeout=600,
         check=False,
-        env=os.environ | {"TMPDIR": str(temp)},
+        env=os.environ | {"TMPDIR": str(temp), "DFLASH_STALL_WATCH": str(tmp_path / "stalls")},
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert not list(temp.glob("dflash-bench-*"))  # its checkpoints are removed after the run
+    # The stall watch reaches the suite and every service it starts: a log per process.
+    logs = list((tmp_path / "stalls").glob("*.log"))
+    assert len(logs) >= 4, logs  # the suite, target, drafter, and the HTTP section's gateway
+    for log in logs:
+        for line in log.read_text().splitlines():
+            assert json.loads(line)["event"] in {"stall", "gc"}
     results = json.loads((tmp_path / "latest.json").read_text())
     assert results["errors"] == {}
     assert results["e2e_service_flags"] == {"target": "", "drafter": "--max-batch-size 1"}
