@@ -1,29 +1,29 @@
 """Where a process stops: a watcher thread that notices when it could not run for a while and
-writes what every thread of the process did meanwhile.
+writes what every thread of the process did meanwhile (Linux: it reads /proc/self/task).
 
-Off unless the environment variable DFLASH_STALL_WATCH names a directory; then `start_if_enabled`
-(called by the launcher's processes and by `bench.suite`; child processes inherit the variable)
-writes JSON lines to `<dir>/<pid>.log`:
-- `stall`: the watcher's 2 ms sleep came back more than `STALL_S` late. Something kept it from
-  running: a thread holding the GIL (a long C call), the process stopped in the kernel, or no
-  free core. The line gives each thread's user and system CPU time over the stall (from
-  /proc/self/task, in 10 ms clock ticks, since the last snapshot at most `SNAPSHOT_S` before),
-  the process's page faults and context switches, and the main thread's Python stack just
-  after it. A stall in which one thread burned system time names that thread. An event loop
-  that polls (the session sockets' readers) can also keep the watcher waiting for the GIL:
-  such a report shows the loop's thread with user time.
-- `gc`: a garbage collection of any generation that took `GC_MS` or more (it holds the GIL).
-Why: the suite's concurrency rounds are sometimes 2-3x slower than the rest, with every
-engine forward at its usual time (`bench/results/client-stalls-2026-12-07-nvidia-h100.json`);
-the time is lost in one process, and this says which and in what.
+Why: the suite's slow concurrency rounds (1.6-3.3x under their median) had every engine
+forward at its usual time; the time was lost in one process, and this says which and in what
+(`bench/results/client-stalls-2026-12-07-nvidia-h100.json`).
+
+Off unless DFLASH_STALL_WATCH names a directory; then `start_if_enabled` (the launcher's
+processes, `bench.suite`; children inherit the variable) writes JSON lines to `<dir>/<pid>.log`:
+- `stall`: the watcher's 2 ms sleep came back more than STALL_S late (a thread held the GIL,
+  the process was stopped in the kernel, or no core was free): each thread's user and system
+  CPU over it (10 ms clock ticks, from the last snapshot at most SNAPSHOT_S before; the
+  kernel splits a thread's time into user and system by sampling at its tick, so over a
+  0.1 s stall the split is approximate), the process's faults and context switches, the main
+  thread's stack just after. An event loop that polls can also keep the watcher from the
+  GIL; its thread then shows user time.
+- `gc`: a collection of any generation that took GC_MS or more (it holds the GIL).
+The snapshots cost the watched process a few per cent of one core (~1 ms per 40 threads).
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
-import resource
 import sys
 import threading
 import time
@@ -76,6 +76,8 @@ def thread_times() -> dict[int, tuple[str, int, int]]:
 
 
 def _usage() -> dict[str, float]:
+    import resource  # POSIX only: imported when watching, not with the launcher
+
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "user_ms": usage.ru_utime * 1e3,
@@ -88,13 +90,15 @@ def _usage() -> dict[str, float]:
 
 
 class StallWatch:
-    """The watcher thread and the garbage collector's callback of one process."""
+    """The watcher thread and the garbage collector's callback of one process. Only the
+    watcher writes: the callback queues its record (a collection can start anywhere, also
+    inside a write, where writing again would re-enter the file or wait on its own lock)."""
 
     def __init__(self, out: TextIO, stall_s: float = STALL_S, gc_ms: float = GC_MS) -> None:
         self.out = out
         self.stall_s = stall_s
         self.gc_ms = gc_ms
-        self._lock = threading.Lock()
+        self._collections: collections.deque[dict] = collections.deque()
         self._stop = threading.Event()
         self._gc_began = 0.0
         self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
@@ -104,17 +108,20 @@ class StallWatch:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop watching; what was queued is written first."""
         self._stop.set()
         self._thread.join()
         if self._on_collection in gc.callbacks:
             gc.callbacks.remove(self._on_collection)
+        self._write_collections()
 
     def _write(self, record: dict) -> None:
-        if sys.is_finalizing():
-            return  # a daemon thread must not write while the interpreter shuts down
-        record = {"at": round(time.time(), 3), **record}
-        with self._lock:
-            self.out.write(json.dumps(record) + "\n")
+        if not sys.is_finalizing():  # a daemon thread must not write during shutdown
+            self.out.write(json.dumps({"at": round(time.time(), 3), **record}) + "\n")
+
+    def _write_collections(self) -> None:
+        while self._collections:
+            self._write(self._collections.popleft())
 
     def _on_collection(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -122,25 +129,23 @@ class StallWatch:
             return
         ms = (time.perf_counter() - self._gc_began) * 1e3
         if ms >= self.gc_ms:
-            self._write(
-                {
-                    "event": "gc",
-                    "generation": info["generation"],
-                    "ms": round(ms, 1),
-                    "collected": info["collected"],
-                }
-            )
+            record = {"event": "gc", "generation": info["generation"], "ms": round(ms, 1)}
+            self._collections.append(record | {"collected": info["collected"]})
 
     def _watch(self) -> None:
         last = time.perf_counter()
         snapshot, snapshot_at, usage = thread_times(), last, _usage()
         while not self._stop.wait(TICK_S):
             now = time.perf_counter()
-            if now - last > self.stall_s + TICK_S:
-                self._report(now - last - TICK_S, snapshot, now - snapshot_at, usage)
-                snapshot, snapshot_at, usage = thread_times(), time.perf_counter(), _usage()
-            elif now - snapshot_at >= SNAPSHOT_S:
-                snapshot, snapshot_at, usage = thread_times(), now, _usage()
+            try:
+                if now - last > self.stall_s + TICK_S:
+                    self._report(now - last - TICK_S, snapshot, now - snapshot_at, usage)
+                    snapshot, snapshot_at, usage = thread_times(), time.perf_counter(), _usage()
+                elif now - snapshot_at >= SNAPSHOT_S:
+                    snapshot, snapshot_at, usage = thread_times(), now, _usage()
+                self._write_collections()
+            except Exception as error:  # keep watching; say what went wrong
+                self._write({"event": "error", "error": repr(error)})
             last = time.perf_counter()
 
     def _report(self, stall_s: float, before: dict, span_s: float, usage_before: dict) -> None:
@@ -149,14 +154,13 @@ class StallWatch:
         threads = []
         for tid, (name, user, system) in after.items():
             _, user_before, system_before = before.get(tid, (name, 0, 0))
-            busy = (user - user_before, system - system_before)
-            if any(busy):
+            if (user, system) != (user_before, system_before):
                 threads.append(
                     {
                         "tid": tid,
                         "name": python_names.get(tid, name),
-                        "user_ms": round(busy[0] * _CLOCK_TICK_MS),
-                        "system_ms": round(busy[1] * _CLOCK_TICK_MS),
+                        "user_ms": round((user - user_before) * _CLOCK_TICK_MS),
+                        "system_ms": round((system - system_before) * _CLOCK_TICK_MS),
                     }
                 )
         threads.sort(key=lambda t: -(t["user_ms"] + t["system_ms"]))

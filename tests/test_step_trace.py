@@ -152,7 +152,7 @@ def test_a_traced_process_marks_its_older_collections(tmp_path, monkeypatch):
 
     monkeypatch.setattr(step_trace, "_prefix", None)
     monkeypatch.setattr(step_trace, "_file", None)
-    monkeypatch.delenv(step_trace.TRACE_ENV, raising=False)  # enable() sets it: restored
+    monkeypatch.setenv(step_trace.TRACE_ENV, "")  # enable() sets it; restored after the test
     try:
         step_trace.enable(str(tmp_path / "trace"))
         step_trace.enable(str(tmp_path / "trace"))  # twice: still one callback
