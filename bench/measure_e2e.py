@@ -233,12 +233,13 @@ def slowest_step(times: list[StepTimes], kind: str) -> dict | None:
     """The step of this kind with the longest wall time over all requests: which request and
     step it was, its wall and forward time (a wall far above its forward waited outside the
     engine: transport, a queue, a stalled process) and the size of its batch."""
-    steps = [
-        (wall, forward, request, index, sizes[index] if index < len(sizes) else None)
-        for request, t in enumerate(times)
-        for sizes in (t.batch_sizes[kind],)
-        for index, (wall, forward) in enumerate(getattr(t, kind))
-    ]
+    steps = []
+    for request, request_times in enumerate(times):
+        sizes = request_times.batch_sizes[kind]
+        for index, (wall, forward) in enumerate(getattr(request_times, kind)):
+            steps.append(
+                (wall, forward, request, index, sizes[index] if index < len(sizes) else None)
+            )
     if not steps:
         return None
     wall, forward, request, index, size = max(steps, key=lambda step: step[0])
