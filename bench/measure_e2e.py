@@ -235,11 +235,9 @@ def slowest_step(times: list[StepTimes], kind: str) -> dict | None:
     engine: transport, a queue, a stalled process) and the size of its batch."""
     steps = []
     for request, request_times in enumerate(times):
-        sizes = request_times.batch_sizes[kind]
-        for index, (wall, forward) in enumerate(getattr(request_times, kind)):
-            steps.append(
-                (wall, forward, request, index, sizes[index] if index < len(sizes) else None)
-            )
+        pairs, sizes = getattr(request_times, kind), request_times.batch_sizes[kind]
+        for index, ((wall, forward), size) in enumerate(zip(pairs, sizes, strict=True)):
+            steps.append((wall, forward, request, index, size))
     if not steps:
         return None
     wall, forward, request, index, size = max(steps, key=lambda step: step[0])
