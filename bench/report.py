@@ -1,9 +1,15 @@
-"""Write a suite's results: dated JSON + latest.json, a markdown table, and PNG plots."""
+"""Write a suite's results: dated JSON + latest.json, a markdown table, and PNG plots; and
+its progress lines."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def write_results(results: dict, out_dir: Path) -> list[Path]:

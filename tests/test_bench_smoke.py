@@ -35,12 +35,14 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
     assert not list(temp.glob("dflash-bench-*"))  # its checkpoints are removed after the run
     # The stall watch reaches the suite and every service it starts: a log per process.
     logs = list((tmp_path / "stalls").glob("*.log"))
-    assert len(logs) >= 4, logs  # the suite, target, drafter, and the HTTP section's gateway
+    # The suite, its e2e client (a spawned process), target, drafter, the HTTP section's gateway.
+    assert len(logs) == 5, logs
     for log in logs:
         for line in log.read_text().splitlines():
             assert json.loads(line)["event"] in {"stall", "gc"}
     results = json.loads((tmp_path / "latest.json").read_text())
     assert results["errors"] == {}
+    assert results["e2e_client"] == "process"
     assert results["e2e_service_flags"] == {"target": "", "drafter": "--max-batch-size 1"}
     for key in (
         "gpu",
@@ -134,7 +136,7 @@ def test_a_concurrency_round_asks_the_target_for_its_facts_once_before_its_clock
 
 
 def test_median_round_reports_one_whole_round():
-    from bench.suite import median_round
+    from bench.e2e_client import median_round
 
     rounds = [{"tok_s": t, "verify_ms": {"max_wall": t / 10}} for t in (900.0, 300.0, 600.0)]
     assert median_round(rounds) == {"tok_s": 600.0, "verify_ms": {"max_wall": 60.0}}
@@ -171,7 +173,7 @@ def test_prefill_together_bench_times_shared_and_one_by_one_prefills(causal_lm_d
 
 
 def test_a_round_summary_keeps_a_rounds_slowest_steps_and_its_split_waves():
-    from bench.suite import round_summary
+    from bench.e2e_client import round_summary
 
     def steps(median, top):
         return {"median_wall": median, "max_wall": top, "median_forward": 1.0, "max_forward": 2.0}
