@@ -1,9 +1,11 @@
 """The benchmark's gateway role: the speculative loop over the running target and drafter
 services, measured in a process of its own.
 
-The gateway holds no CUDA context and none of the suite's history (gigabytes of checkpoint
-tensors written and freed, its own engines in other sections); the client that measures the
-services should not either. `bench.suite` runs `measure_in_own_process` in a spawned child;
+The gateway holds no CUDA context, does not import torch, and has none of the suite's history
+(gigabytes of checkpoint tensors written and freed, its own engines in other sections); the
+client that measures the services should not either. `bench.suite` runs
+`measure_in_own_process`, which starts `python -m bench.e2e_client PLAN OUT` (a fresh
+interpreter: a multiprocessing child would re-import the suite, torch with it);
 `--e2e-client suite` keeps the loop in the suite's process, as before 2026-12-07, for
 comparison.
 """
@@ -11,10 +13,14 @@ comparison.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
-import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
 import traceback
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +37,7 @@ TAUS = (1, 3, 6, 10)
 
 @dataclass(frozen=True)
 class ClientPlan:
-    """What the client measures, in plain values (it crosses to a spawned process)."""
+    """What the client measures, in plain values (it crosses to the client's process as JSON)."""
 
     target_address: str
     drafter_address: str
@@ -44,12 +50,29 @@ class ClientPlan:
     concurrency: tuple[int, ...] = ()
 
 
+def plan_to_json(plan: ClientPlan) -> str:
+    return json.dumps(dataclasses.asdict(plan), default=str)
+
+
+def plan_from_json(text: str) -> ClientPlan:
+    fields = json.loads(text)
+    fields["tokenizer_dir"] = Path(fields["tokenizer_dir"])
+    fields["challenge"] = {int(k): v for k, v in fields["challenge"].items()}
+    fields["concurrency"] = tuple(fields["concurrency"])
+    return ClientPlan(**fields)
+
+
 def measure_in_own_process(plan: ClientPlan) -> dict:
-    """Run the client in a spawned process and return what it measured; an error there is
-    raised here after its partial results are returned with it (see `measure`)."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(measure, plan).result()
+    """Run the client in a process of its own and return what `measure` returned there; a
+    client that dies without answering (killed, out of memory) is an error with no results."""
+    with tempfile.TemporaryDirectory(prefix="dflash-e2e-client-") as scratch:
+        plan_path, out_path = Path(scratch) / "plan.json", Path(scratch) / "measured.json"
+        plan_path.write_text(plan_to_json(plan))
+        command = [sys.executable, "-m", "bench.e2e_client", str(plan_path), str(out_path)]
+        completed = subprocess.run(command, check=False)
+        if not out_path.exists():
+            return {"results": {}, "error": f"the client exited {completed.returncode}, no results"}
+        return json.loads(out_path.read_text())
 
 
 def measure(plan: ClientPlan) -> dict:
@@ -58,11 +81,15 @@ def measure(plan: ClientPlan) -> dict:
     logging.basicConfig(level=logging.WARNING)
     stall_watch.start_if_enabled()  # a no-op where the suite's own process already watches
     client = E2EClient(plan)
+    error = None
     try:
         asyncio.run(client.run())
-    except Exception:
-        return {"results": client.results, "error": traceback.format_exc()}
-    return {"results": client.results, "error": None}
+    except BaseException:  # KeyboardInterrupt too: what was measured is still handed back
+        error = traceback.format_exc()
+    # Which process measured, and whether torch was loaded there by the end (the gateway's
+    # process never loads it).
+    client.results["e2e_client_process"] = {"pid": os.getpid(), "torch": "torch" in sys.modules}
+    return {"results": client.results, "error": error}
 
 
 class E2EClient:
@@ -274,3 +301,14 @@ def breakdown(times: measure_e2e.StepTimes) -> dict:
         "drafter forward": draft_fwd,
         "orchestration": wall - verify_fwd - draft_fwd,
     }
+
+
+def main() -> None:
+    """python -m bench.e2e_client PLAN_JSON OUT_JSON: `measure` the plan, write its answer."""
+    plan_path, out_path = map(Path, sys.argv[1:3])
+    measured = measure(plan_from_json(plan_path.read_text()))
+    out_path.write_text(json.dumps(measured))
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,8 @@ forward at its usual time; the time was lost in one process, and this says which
 (`bench/results/client-stalls-2026-12-07-nvidia-h100.json`).
 
 Off unless DFLASH_STALL_WATCH names a directory; then `start_if_enabled` (the launcher's
-processes, `bench.suite`; children inherit the variable) writes JSON lines to `<dir>/<pid>.log`:
+processes, `bench.suite` and its e2e client; children inherit the variable) writes JSON
+lines to `<dir>/<pid>.log`:
 - `stall`: the watcher's 2 ms sleep came back more than STALL_S late (a thread held the GIL,
   the process was stopped in the kernel, or no core was free): each thread's user and system
   CPU over it (10 ms clock ticks, from the last snapshot at most SNAPSHOT_S before; the

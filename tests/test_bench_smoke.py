@@ -43,6 +43,7 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
     results = json.loads((tmp_path / "latest.json").read_text())
     assert results["errors"] == {}
     assert results["e2e_client"] == "process"
+    assert results["e2e_client_process"]["torch"] is False  # measured as the gateway runs
     assert results["e2e_service_flags"] == {"target": "", "drafter": "--max-batch-size 1"}
     for key in (
         "gpu",

@@ -1,11 +1,13 @@
-"""The benchmark's client runs in a spawned process and hands back what it measured, with
-the error that stopped it."""
+"""The benchmark's client runs in a process of its own, like the gateway without torch, and
+hands back what it measured with the error that stopped it."""
 
 from __future__ import annotations
 
+import os
 import socket
 
-from bench.e2e_client import ClientPlan, measure_in_own_process
+from bench import e2e_client
+from bench.e2e_client import ClientPlan, measure, measure_in_own_process
 
 
 def unused_address() -> str:
@@ -14,11 +16,33 @@ def unused_address() -> str:
         return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
-def test_a_client_that_fails_returns_its_error_and_partial_results(tmp_path):
+def plan_with_nothing_listening(tmp_path) -> ClientPlan:
     address = unused_address()  # nothing listens: the first call to the target fails
-    plan = ClientPlan(address, address, tmp_path, vocab=16, transport="inline",
-                      new_tokens=4, concurrency_rounds=1)  # fmt: skip
-    measured = measure_in_own_process(plan)
+    return ClientPlan(address, address, tmp_path, vocab=16, transport="inline", new_tokens=4,
+                      concurrency_rounds=1, challenge={64: 16}, concurrency=(1, 2))  # fmt: skip
+
+
+def test_the_client_runs_in_another_process_without_torch(tmp_path):
+    measured = measure_in_own_process(plan_with_nothing_listening(tmp_path))
+    process = measured["results"].pop("e2e_client_process")
+    assert process["pid"] != os.getpid()
+    assert process["torch"] is False
     assert measured["results"] == {}
-    assert "Traceback" in measured["error"]
-    assert "e2e_client.py" in measured["error"]  # raised in the client's run, not by the pool
+    assert "UNAVAILABLE" in measured["error"]
+    assert "e2e_client.py" in measured["error"]  # raised in the client's own run
+
+
+def test_the_plan_survives_its_trip_as_json(tmp_path):
+    plan = plan_with_nothing_listening(tmp_path)
+    assert e2e_client.plan_from_json(e2e_client.plan_to_json(plan)) == plan
+
+
+def test_a_client_that_fails_halfway_keeps_what_it_measured(tmp_path, monkeypatch):
+    async def half_a_run(self):
+        self.results["e2e"] = {"1": {"tok_s": 1.0}}
+        raise RuntimeError("the drafter went away")
+
+    monkeypatch.setattr(e2e_client.E2EClient, "run", half_a_run)
+    measured = measure(plan_with_nothing_listening(tmp_path))
+    assert measured["results"]["e2e"] == {"1": {"tok_s": 1.0}}
+    assert "RuntimeError: the drafter went away" in measured["error"]
