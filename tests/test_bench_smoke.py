@@ -35,7 +35,7 @@ def test_suite_smoke_run_writes_the_results_schema(tmp_path):
     assert not list(temp.glob("dflash-bench-*"))  # its checkpoints are removed after the run
     # The stall watch reaches the suite and every service it starts: a log per process.
     logs = list((tmp_path / "stalls").glob("*.log"))
-    # The suite, its e2e client (a spawned process), target, drafter, the HTTP section's gateway.
+    # The suite, its e2e client (a process of its own), target, drafter, the HTTP gateway.
     assert len(logs) == 5, logs
     for log in logs:
         for line in log.read_text().splitlines():
