@@ -46,3 +46,40 @@ def test_a_client_that_fails_halfway_keeps_what_it_measured(tmp_path, monkeypatc
     measured = measure(plan_with_nothing_listening(tmp_path))
     assert measured["results"]["e2e"] == {"1": {"tok_s": 1.0}}
     assert "RuntimeError: the drafter went away" in measured["error"]
+
+
+def test_the_suite_keeps_a_failed_clients_partial_results_and_records_its_error(
+    tmp_path, monkeypatch
+):
+    import argparse
+    from types import SimpleNamespace
+
+    import launcher.service_processes
+    from bench import suite
+
+    stopped = []
+    monkeypatch.setattr(
+        launcher.service_processes,
+        "start_service",
+        lambda args, **_: SimpleNamespace(address=args[0], stop=lambda: stopped.append(args[0])),
+    )
+    monkeypatch.setattr(
+        suite,
+        "measure_in_own_process",
+        lambda plan: {
+            "results": {"sessions_on": "unix"},
+            "error": "Traceback: the drafter went away",
+        },
+    )
+    args = argparse.Namespace(
+        smoke=True, merge_into=None, commit=None, e2e_layout="bf16", e2e_int4_reads="int4",
+        commit_graphs=False, target_flags="", drafter_flags="", new_tokens=4,
+        concurrency_rounds=1, e2e_client="process", out_dir=tmp_path,
+    )  # fmt: skip
+    run = suite.Suite(args)
+    run.dirs = {"bf16": tmp_path, "drafter": tmp_path}
+    run.section("e2e", run.end_to_end)
+    assert run.results["sessions_on"] == "unix"
+    assert "the drafter went away" in run.results["errors"]["e2e"]
+    assert sorted(stopped) == ["drafter", "target"]  # both services stopped after the failure
+    run.workdir.rmdir()  # the suite's checkpoint directory, empty here
