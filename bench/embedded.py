@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import progress
 from bench.timing import run_facts, synchronize
 from dflash_serve.service_settings import ServiceSettings
 from dflash_serve.speculative.loop import SpeculativeGeneration, StopRules
@@ -58,10 +59,6 @@ DEFAULT_QUESTIONS = (
     "Explain in two sentences why the sky is blue.",
     "List three prime numbers greater than 100.",
 )
-
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 @dataclass
