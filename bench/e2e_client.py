@@ -78,8 +78,6 @@ def measure_in_own_process(plan: ClientPlan) -> dict:
 def measure(plan: ClientPlan) -> dict:
     """{"results": what was measured, "error": the traceback of a failure or None}: a section
     that fails halfway keeps what it measured before, as the suite's other sections do."""
-    logging.basicConfig(level=logging.WARNING)
-    stall_watch.start_if_enabled()  # a no-op where the suite's own process already watches
     client = E2EClient(plan)
     error = None
     try:
@@ -108,7 +106,7 @@ class E2EClient:
         shared = await target.feature_buffer() if self.plan.transport == "cuda_ipc" else None
         vocab = self.plan.vocab
         run = measure_e2e.run_request
-        prompt = [(i * 7919) % self.plan.vocab for i in range(512)]
+        prompt = [(i * 7919) % vocab for i in range(512)]
         reference = await run(target, None, prompt, self.plan.new_tokens)
         self.results["e2e"] = {}
         for tau in TAUS:
@@ -130,7 +128,7 @@ class E2EClient:
         self.results["e2e_grpc"] = await self._over_grpc(target_address, drafter_address, prompt)
         self.results["challenge_ms"] = {}
         for prompt_len, new_tokens in self.plan.challenge.items():
-            long_prompt = [(i * 104729) % self.plan.vocab for i in range(prompt_len)]
+            long_prompt = [(i * 104729) % vocab for i in range(prompt_len)]
             oracle = await run(target, None, long_prompt, new_tokens)
             result = await run(
                 target,
@@ -306,6 +304,8 @@ def breakdown(times: measure_e2e.StepTimes) -> dict:
 def main() -> None:
     """python -m bench.e2e_client PLAN_JSON OUT_JSON: `measure` the plan, write its answer."""
     plan_path, out_path = map(Path, sys.argv[1:3])
+    logging.basicConfig(level=logging.WARNING)  # as bench.suite's process sets itself up
+    stall_watch.start_if_enabled()  # DFLASH_STALL_WATCH, inherited from the suite
     measured = measure(plan_from_json(plan_path.read_text()))
     out_path.write_text(json.dumps(measured))
 
