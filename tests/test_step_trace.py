@@ -91,6 +91,8 @@ def test_smoke_run_traces_every_event_of_a_step_in_the_real_services(tmp_path):
     assert 0 < medians["engines"] < medians["step"]
     for key in ("gpu", "date", "commit", "command"):
         assert results[key]
+    assert results["checkpoint_writer_pid"] != results["loop_process"]["pid"]
+    assert results["loop_process"]["cuda_initialized"] is False
 
 
 def test_smoke_run_with_concurrent_streams_gives_a_wave_timeline(tmp_path):
