@@ -310,6 +310,8 @@ def main() -> None:
         steps = asyncio.run(
             run_requests(target.address, drafter.address, args, vocab, profiler, services)
         )
+        # (before run_facts, whose device name initialises CUDA here)
+        loop_process = {"pid": os.getpid(), "cuda_initialized": torch.cuda.is_initialized()}
         service_stats = {
             name: wait_for_file(loop_profile.stats_path(profile_prefix, service.process.pid))
             for name, service in zip(("target", "drafter"), services, strict=False)
@@ -330,7 +332,7 @@ def main() -> None:
         "streams": args.streams,
         "sessions_on": args.sessions_on,  # target / drafter
         "checkpoint_writer_pid": writer_pid,
-        "loop_process": {"pid": os.getpid(), "cuda_initialized": torch.cuda.is_initialized()},
+        "loop_process": loop_process,
         "steps": steps,
         unit: len(next(iter(segments.values()), [])),
         "median_us": medians,
