@@ -227,23 +227,21 @@ def wait_for_file(path: str, timeout_s: float = 30.0) -> str:
 
 
 def write_checkpoints(
-    workdir: Path, smoke: bool, layout: str, device: str
+    workdir: Path, target_config: dict, drafter_config: dict, layout: str, device: str
 ) -> tuple[Path, Path, int]:
     """The random target and drafter on disk, and the pid that wrote them."""
-    target_config = SMOKE_TARGET if smoke else QWEN35_4B_TEXT
-    drafter_config = SMOKE_DRAFTER if smoke else DFLASH_4B
     target_dir = write_target(workdir / "t", target_config, layout, device=device)
     drafter_dir = write_drafter(workdir / "d", drafter_config, device=device)
     return target_dir, drafter_dir, os.getpid()
 
 
-def write_checkpoints_elsewhere(workdir: Path, smoke: bool, layout: str, device: str):
+def write_checkpoints_elsewhere(*args) -> tuple[Path, Path, int]:
     """`write_checkpoints` in a spawned process: the loop measured here, like the gateway's,
     then runs in a process with no CUDA context and none of the GBs written on the GPU (the
     arrangement in which the suite's client had its slow rounds, bench/README)."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(write_checkpoints, workdir, smoke, layout, device).result()
+        return pool.submit(write_checkpoints, *args).result()
 
 
 def main() -> None:
@@ -287,8 +285,10 @@ def main() -> None:
     if device == "cpu" and not args.smoke:
         parser.error("the 4B-shaped models need a GPU; use --smoke on a CPU")
     workdir = Path(tempfile.mkdtemp(prefix="dflash-trace-"))
+    target_config = SMOKE_TARGET if args.smoke else QWEN35_4B_TEXT
+    drafter_config = SMOKE_DRAFTER if args.smoke else DFLASH_4B
     target_dir, drafter_dir, writer_pid = write_checkpoints_elsewhere(
-        workdir, args.smoke, args.layout, device
+        workdir, target_config, drafter_config, args.layout, device
     )
     prefix = str(workdir / "trace")
     step_trace.enable(prefix)
@@ -304,7 +304,7 @@ def main() -> None:
         ["drafter", "--model", str(drafter_dir), "--target-model", str(target_dir), *common]
     )
     try:
-        vocab = (SMOKE_TARGET if args.smoke else QWEN35_4B_TEXT)["vocab_size"]
+        vocab = target_config["vocab_size"]
         profiler = cProfile.Profile() if args.profile_gateway else None
         services = [target, drafter] if args.profile_services else []
         steps = asyncio.run(
