@@ -47,11 +47,11 @@ from dflash_serve.layers.split_sums import SplitSums
 
 PLANE_K = 32
 TILE_K = NIBBLES_PER_WORD * PLANE_K
-# The split launch's row tiles (bench.tune_w4a16 sweeps them). 128-row tiles, and 256-output
-# ones, were swept too for more than 16 rows (H100, 2026-12-08, each shape's split kept): the
-# same bits, none faster at 128 rows, and at 32 or 64 rows only one faster (down's 128 x 64
-# tiles with 8 warps, at 64 rows;
-# bench/results/w4a16-rows128-and-verify-copies-2026-12-08-nvidia-h100.json).
+# The split launch's row tiles (bench.tune_w4a16 sweeps them). Larger tiles (block_m 128,
+# block_n up to 256, 8 warps) were swept for more than 16 rows too (H100, 2026-12-08, each
+# shape's split kept): the same bits; none faster at 128 rows, and at 32 or 64 rows faster only
+# for down at 64 (best: block_n 128, 8 warps, 20.3 against 23.4 us). Results:
+# bench/results/w4a16-rows128-and-verify-copies-2026-12-08-nvidia-h100.json
 BLOCK_MS = (16, 32, 64)
 ANY_BLOCK_M = (*BLOCK_MS, 128)  # 128: the wide launch's (WIDE_LAUNCH)
 NUM_SMS = 132  # H200; a constant, so the config never depends on the machine either
